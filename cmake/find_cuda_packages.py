@@ -1,0 +1,58 @@
+"""Print, as CMake `set()` lines, where the packaged CUDA, cuDNN and cuDNN-frontend files are.
+
+Headers and libraries come from pip wheels (nvidia-cudnn-cu1x, nvidia-cuda-runtime*,
+nvidia-cudnn-frontend) found on this interpreter's sys.path; a CUDA toolkit is only a fallback
+for the runtime. Run by CMakeLists.txt with the build's Python.
+"""
+
+import glob
+import os
+import sys
+
+
+def first_existing(patterns):
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            if os.path.exists(path):
+                return path
+    return ""
+
+
+def search(relative_patterns):
+    roots = [p for p in sys.path if p and os.path.isdir(p)]
+    return first_existing(os.path.join(root, rel) for root in roots for rel in relative_patterns)
+
+
+def main():
+    cudnn_header = search(["nvidia/cudnn/include/cudnn.h"])
+    cudnn_library = search(["nvidia/cudnn/lib/libcudnn.so.9"])
+    frontend_header = search(["include/cudnn_frontend.h", "cudnn_frontend/include/cudnn_frontend.h"])
+    # CUDA 13 wheels put everything under nvidia/cu13 (crt/ from nvidia-cuda-crt, nv/ from
+    # nvidia-cuda-cccl); CUDA 12 ones under nvidia/cuda_runtime. A header dir counts only if it is
+    # complete; otherwise the toolkit's is used.
+    toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    wheel_dirs = [os.path.join(root, rel) for root in sys.path if root and os.path.isdir(root)
+                  for rel in ("nvidia/cu13/include", "nvidia/cuda_runtime/include")]
+    runtime_include = ""
+    for candidate in wheel_dirs + [os.path.join(toolkit, "include")]:
+        if all(os.path.exists(os.path.join(candidate, f))
+               for f in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target")):
+            runtime_include = candidate
+            break
+    runtime_static = search(["nvidia/cu13/lib/libcudart_static.a",
+                             "nvidia/cuda_runtime/lib/libcudart_static.a"])
+    if not runtime_static:
+        runtime_static = first_existing([os.path.join(toolkit, "lib64/libcudart_static.a")])
+    values = {
+        "JAX_SDPA_CUDNN_INCLUDE_DIR": os.path.dirname(cudnn_header),
+        "JAX_SDPA_CUDNN_LIBRARY": cudnn_library,
+        "JAX_SDPA_FRONTEND_INCLUDE_DIR": os.path.dirname(frontend_header),
+        "JAX_SDPA_CUDA_INCLUDE_DIR": runtime_include,
+        "JAX_SDPA_CUDART_STATIC": runtime_static,
+    }
+    for name, value in values.items():
+        print(f'set({name} "{value}")')
+
+
+if __name__ == "__main__":
+    main()

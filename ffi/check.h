@@ -1,0 +1,58 @@
+// Turn CUDA / cuDNN / cuDNN-frontend failures into xla::ffi::Error values that carry the library's
+// own message and where it happened; nothing here aborts the process.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <cudnn.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sdpa {
+
+namespace ffi = xla::ffi;
+
+inline std::string SourceLocation(const char* file, int line) {
+  return std::string(file) + ":" + std::to_string(line);
+}
+
+inline ffi::Error CudaError(cudaError_t status, const char* expr, const char* file, int line) {
+  return ffi::Error::Internal(std::string("CUDA error ") + cudaGetErrorName(status) + " (" +
+                              cudaGetErrorString(status) + ") in " + expr + " at " +
+                              SourceLocation(file, line));
+}
+
+inline ffi::Error CudnnError(cudnnStatus_t status, const char* expr, const char* file, int line) {
+  char detail[512] = {0};
+  cudnnGetLastErrorString(detail, sizeof(detail));
+  return ffi::Error::Internal(std::string("cuDNN error ") + cudnnGetErrorString(status) + " in " +
+                              expr + " at " + SourceLocation(file, line) +
+                              (detail[0] ? std::string(": ") + detail : std::string()));
+}
+
+}  // namespace jax_sdpa
+
+#define JAX_SDPA_RETURN_IF_ERROR(expr)         \
+  do {                                         \
+    ::xla::ffi::Error jax_sdpa_error_ = (expr); \
+    if (jax_sdpa_error_.failure()) {           \
+      return jax_sdpa_error_;                  \
+    }                                          \
+  } while (0)
+
+#define JAX_SDPA_CUDA_CHECK(expr)                                          \
+  do {                                                                     \
+    cudaError_t jax_sdpa_status_ = (expr);                                 \
+    if (jax_sdpa_status_ != cudaSuccess) {                                 \
+      return ::jax_sdpa::CudaError(jax_sdpa_status_, #expr, __FILE__, __LINE__); \
+    }                                                                      \
+  } while (0)
+
+#define JAX_SDPA_CUDNN_CHECK(expr)                                           \
+  do {                                                                       \
+    cudnnStatus_t jax_sdpa_status_ = (expr);                                 \
+    if (jax_sdpa_status_ != CUDNN_STATUS_SUCCESS) {                          \
+      return ::jax_sdpa::CudnnError(jax_sdpa_status_, #expr, __FILE__, __LINE__); \
+    }                                                                        \
+  } while (0)

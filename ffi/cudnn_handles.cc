@@ -1,0 +1,66 @@
+#include "cudnn_handles.h"
+
+#include <map>
+#include <memory>
+
+namespace jax_sdpa {
+namespace {
+
+struct DeviceHandle {
+  std::mutex mutex;
+  cudnnHandle_t handle = nullptr;
+};
+
+// Sets the current device for one scope and restores the caller's afterwards.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int32_t device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      restore_ = true;
+    }
+  }
+  ~ScopedDevice() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool restore_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+ffi::Error CreateHandle(int32_t device, cudnnHandle_t* handle) {
+  ScopedDevice scoped(device);
+  JAX_SDPA_CUDA_CHECK(scoped.status());
+  JAX_SDPA_CUDNN_CHECK(cudnnCreate(handle));
+  return ffi::Error::Success();
+}
+
+DeviceHandle& HandleForDevice(int32_t device) {
+  static std::mutex registry_mutex;
+  // Handles live for the whole process: destroying them during interpreter shutdown, after the
+  // CUDA context may be gone, is a known source of crashes at exit.
+  static auto* registry = new std::map<int32_t, std::unique_ptr<DeviceHandle>>();
+  std::lock_guard<std::mutex> guard(registry_mutex);
+  auto& slot = (*registry)[device];
+  if (!slot) slot = std::make_unique<DeviceHandle>();
+  return *slot;
+}
+
+}  // namespace
+
+ffi::Error AcquireCudnnHandle(int32_t device, cudaStream_t stream, CudnnHandleLease* lease) {
+  DeviceHandle& entry = HandleForDevice(device);
+  std::unique_lock<std::mutex> lock(entry.mutex);
+  if (entry.handle == nullptr) {
+    JAX_SDPA_RETURN_IF_ERROR(CreateHandle(device, &entry.handle));
+  }
+  JAX_SDPA_CUDNN_CHECK(cudnnSetStream(entry.handle, stream));
+  lease->handle = entry.handle;
+  lease->lock = std::move(lock);
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_sdpa

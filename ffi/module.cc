@@ -1,0 +1,39 @@
+// The Python module: handler capsules for jax.ffi.register_ffi_target, library versions and
+// the graph cache's counters.
+#include <cudnn.h>
+#include <nanobind/nanobind.h>
+
+#include "graph_cache.h"
+#include "sdpa_handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateHandler(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_sdpa_ffi, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["jax_sdpa_forward"] = EncapsulateHandler(jax_sdpa::SdpaForwardHandler);
+    targets["jax_sdpa_backward"] = EncapsulateHandler(jax_sdpa::SdpaBackwardHandler);
+    return targets;
+  });
+  m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); },
+        "cuDNN version of the libcudnn loaded in this process, e.g. 91900 for 9.19.0.");
+  m.def("cudnn_header_version", []() { return static_cast<int64_t>(CUDNN_VERSION); },
+        "cuDNN version the extension was compiled against.");
+  m.def("graph_cache_stats", []() {
+    jax_sdpa::GraphCacheStats stats = jax_sdpa::GraphCache::Global().stats();
+    nb::dict result;
+    result["entries"] = stats.entries;
+    result["builds"] = stats.builds;
+    result["hits"] = stats.hits;
+    return result;
+  });
+}

@@ -1,0 +1,194 @@
+#include "sdpa_graphs.h"
+
+#include <cudnn_frontend.h>
+
+#include <exception>
+#include <unordered_map>
+#include <vector>
+
+namespace jax_sdpa {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+enum TensorUid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+};
+
+fe::DataType_t FrontendType(ElementType type) {
+  return type == ElementType::kFloat16 ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
+}
+
+// Logical BHSD dims of a tensor stored as BSHD (JAX's [batch, seq, heads, dim]).
+std::vector<int64_t> BhsdDims(int64_t batch, int64_t heads, int64_t seq, int64_t dim) {
+  return {batch, heads, seq, dim};
+}
+std::vector<int64_t> BshdStrides(int64_t heads, int64_t seq, int64_t dim) {
+  return {seq * heads * dim, dim, heads * dim, 1};
+}
+
+// Stats are float32 [batch, heads, q_seq, 1], contiguous: JAX sees them as [batch, heads, q_seq].
+std::vector<int64_t> StatsDims(const SdpaConfig& c) { return {c.batch, c.q_heads, c.q_seq_len, 1}; }
+std::vector<int64_t> StatsStrides(const SdpaConfig& c) {
+  return {c.q_heads * c.q_seq_len, c.q_seq_len, 1, 1};
+}
+
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+TensorPtr AddBshdTensor(fe::graph::Graph& graph, const char* name, int64_t uid,
+                        const SdpaConfig& c, bool is_query_side) {
+  int64_t heads = is_query_side ? c.q_heads : c.kv_heads;
+  int64_t seq = is_query_side ? c.q_seq_len : c.kv_seq_len;
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim(BhsdDims(c.batch, heads, seq, c.head_dim))
+                          .set_stride(BshdStrides(heads, seq, c.head_dim)));
+}
+
+void SetBshdOutput(const TensorPtr& tensor, int64_t uid, const SdpaConfig& c, bool is_query_side) {
+  int64_t heads = is_query_side ? c.q_heads : c.kv_heads;
+  int64_t seq = is_query_side ? c.q_seq_len : c.kv_seq_len;
+  tensor->set_output(true)
+      .set_uid(uid)
+      .set_dim(BhsdDims(c.batch, heads, seq, c.head_dim))
+      .set_stride(BshdStrides(heads, seq, c.head_dim));
+}
+
+std::shared_ptr<fe::graph::Graph> NewGraph(const SdpaConfig& c) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(FrontendType(c.element_type))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return graph;
+}
+
+std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
+  auto graph = NewGraph(c);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, true);
+  auto k = AddBshdTensor(*graph, "K", kK, c, false);
+  auto v = AddBshdTensor(*graph, "V", kV, c, false);
+  auto options = fe::graph::SDPA_attributes()
+                     .set_name("jax_sdpa_forward")
+                     .set_generate_stats(true)
+                     .set_attn_scale(c.scale);
+  if (c.causal) {
+    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+        .set_diagonal_band_right_bound(0);
+  }
+  auto [o, stats] = graph->sdpa(q, k, v, options);
+  SetBshdOutput(o, kO, c, true);
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim(StatsDims(c))
+      .set_stride(StatsStrides(c));
+  return graph;
+}
+
+std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
+  auto graph = NewGraph(c);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, true);
+  auto k = AddBshdTensor(*graph, "K", kK, c, false);
+  auto v = AddBshdTensor(*graph, "V", kV, c, false);
+  auto o = AddBshdTensor(*graph, "O", kO, c, true);
+  auto d_o = AddBshdTensor(*graph, "dO", kDO, c, true);
+  auto stats = graph->tensor(fe::graph::Tensor_attributes()
+                                 .set_name("Stats")
+                                 .set_uid(kStats)
+                                 .set_dim(StatsDims(c))
+                                 .set_stride(StatsStrides(c))
+                                 .set_data_type(fe::DataType_t::FLOAT));
+  auto options = fe::graph::SDPA_backward_attributes()
+                     .set_name("jax_sdpa_backward")
+                     .set_attn_scale(c.scale);
+  if (c.causal) {
+    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+        .set_diagonal_band_right_bound(0);
+  }
+  auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, stats, options);
+  SetBshdOutput(dq, kDQ, c, true);
+  SetBshdOutput(dk, kDK, c, false);
+  SetBshdOutput(dv, kDV, c, false);
+  return graph;
+}
+
+ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig& c) {
+  return ffi::Error::Internal(std::string("cuDNN frontend ") + step + " failed for " +
+                              c.ToString() + ": " + status.get_message());
+}
+
+}  // namespace
+
+struct SdpaGraph::Frontend {
+  std::shared_ptr<fe::graph::Graph> graph;
+};
+
+SdpaGraph::SdpaGraph(const SdpaConfig& config, std::unique_ptr<Frontend> frontend,
+                     int64_t workspace_size)
+    : config_(config), frontend_(std::move(frontend)), workspace_size_(workspace_size) {}
+
+SdpaGraph::~SdpaGraph() = default;
+
+ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
+                            std::shared_ptr<SdpaGraph>* out) {
+  try {
+    auto frontend = std::make_unique<Frontend>();
+    frontend->graph = config.direction == Direction::kForward ? DescribeForward(config)
+                                                              : DescribeBackward(config);
+    fe::graph::Graph& graph = *frontend->graph;
+    // The steps of Graph::build, one at a time so that an error names the step that failed.
+    fe::error_t status = graph.validate();
+    if (status.is_bad()) return FrontendError(status, "validate", config);
+    status = graph.build_operation_graph(handle);
+    if (status.is_bad()) return FrontendError(status, "build_operation_graph", config);
+    status = graph.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+    if (status.is_bad()) return FrontendError(status, "create_execution_plans", config);
+    status = graph.check_support(handle);
+    if (status.is_bad()) return FrontendError(status, "check_support", config);
+    status = graph.build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    if (status.is_bad()) return FrontendError(status, "build_plans", config);
+    int64_t workspace_size = 0;
+    status = graph.get_workspace_size(workspace_size);
+    if (status.is_bad()) return FrontendError(status, "get_workspace_size", config);
+    out->reset(new SdpaGraph(config, std::move(frontend), workspace_size));
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("cuDNN frontend threw while building ") +
+                                config.ToString() + ": " + e.what());
+  }
+}
+
+ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& b,
+                                     void* workspace) {
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, const_cast<void*>(b.q)}, {kK, const_cast<void*>(b.k)},
+      {kV, const_cast<void*>(b.v)}, {kO, b.o},
+      {kStats, b.stats}};
+  fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
+  if (status.is_bad()) return FrontendError(status, "execute", config_);
+  return ffi::Error::Success();
+}
+
+ffi::Error SdpaGraph::ExecuteBackward(cudnnHandle_t handle, const BackwardBuffers& b,
+                                      void* workspace) {
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, const_cast<void*>(b.q)},   {kK, const_cast<void*>(b.k)},
+      {kV, const_cast<void*>(b.v)},   {kO, const_cast<void*>(b.o)},
+      {kDO, const_cast<void*>(b.d_o)}, {kStats, const_cast<void*>(b.stats)},
+      {kDQ, b.dq},                    {kDK, b.dk},
+      {kDV, b.dv}};
+  fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
+  if (status.is_bad()) return FrontendError(status, "execute", config_);
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_sdpa

@@ -1,0 +1,81 @@
+"""The pure-JAX attention path: the same semantics as the cuDNN path, for every argument.
+
+It runs on any backend (CPU, TPU, GPU), serves every call cuDNN cannot take, and is the
+float32 oracle of the GPU tests. Its masking follows jax.nn.dot_product_attention: masked
+scores are filled with a large negative number (not -inf), and the rows of query positions past
+`query_seq_lengths` are zeroed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["attention_reference"]
+
+
+def _large_negative() -> float:
+    # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
+    return -0.7 * float(np.finfo(np.float32).max)
+
+
+def combined_mask(batch, q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
+                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None):
+    """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks."""
+    parts = []
+    if mask is not None:
+        parts.append(mask)
+    q_pos = jnp.arange(q_seq_len)[:, None]
+    k_pos = jnp.arange(kv_seq_len)[None, :]
+    if is_causal:
+        parts.append((q_pos >= k_pos)[None, None])
+    if local_window_size is not None:
+        left, right = local_window_size
+        parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
+    if query_seq_lengths is not None:
+        parts.append((jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None])[:, None, :, None])
+    if key_value_seq_lengths is not None:
+        parts.append((jnp.arange(kv_seq_len)[None, :] < key_value_seq_lengths[:, None])[:, None, None, :])
+    if not parts:
+        return None
+    result = parts[0]
+    for part in parts[1:]:
+        result = jnp.logical_and(result, part)
+    return result
+
+
+def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
+                        query_seq_lengths=None, key_value_seq_lengths=None,
+                        local_window_size=None):
+    """Attention on [B, T, N, H] queries and [B, S, K, H] keys/values (N a multiple of K).
+
+    Scores and softmax are float32 whatever the input dtype. Returns (output [B, T, N, H] in the
+    query's dtype, lse [B, N, T] float32): lse is the log-sum-exp of each row of masked scores.
+    """
+    batch, q_seq_len, q_heads, head_dim = query.shape
+    _, kv_seq_len, kv_heads, _ = key.shape
+    groups = q_heads // kv_heads
+    grouped_query = query.reshape(batch, q_seq_len, kv_heads, groups, head_dim)
+    logits = jnp.einsum("btkgh,bskh->bkgts", grouped_query, key,
+                        preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST)
+    logits = logits.reshape(batch, q_heads, q_seq_len, kv_seq_len) * jnp.float32(scale)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    keep = combined_mask(batch, q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
+                         query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths,
+                         local_window_size=local_window_size)
+    if keep is not None:
+        logits = jnp.where(keep, logits, _large_negative())
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None]).astype(value.dtype)
+    probs = probs.reshape(batch, kv_heads, groups, q_seq_len, kv_seq_len)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, value, preferred_element_type=jnp.float32,
+                     precision=jax.lax.Precision.HIGHEST)
+    out = out.reshape(batch, q_seq_len, q_heads, value.shape[-1])
+    if query_seq_lengths is not None:
+        valid = jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None]
+        out = out * valid[:, :, None, None]
+    return out.astype(query.dtype), lse
