@@ -1,1 +1,8 @@
-"""jax_sdpa."""
+"""jax_sdpa: cuDNN fused flash attention, forward and backward, for JAX."""
+
+from jax_sdpa._ffi import cudnn_version, graph_cache_stats
+from jax_sdpa.attention import dot_product_attention
+from jax_sdpa.reference import attention_reference
+
+__all__ = ["dot_product_attention", "attention_reference", "cudnn_version", "graph_cache_stats"]
+__version__ = "0.1.0"

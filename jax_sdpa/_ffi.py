@@ -1,0 +1,118 @@
+"""Loading the C++ extension, registering its XLA FFI targets, and the ffi_call wrappers."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import glob
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORWARD_TARGET = "jax_sdpa_forward"
+BACKWARD_TARGET = "jax_sdpa_backward"
+
+# Test-only: when set, the handlers fill their outputs with NaN before cuDNN runs, so a test can
+# prove every element was written. Read at trace time.
+_poison_outputs = False
+
+
+def _preload_cudnn() -> None:
+    """Load the nvidia-cudnn wheel's libcudnn.so.9 unless the process already has a libcudnn.
+
+    jaxlib's CUDA plugin loads the same file; whichever comes first, one copy serves both, so
+    our graphs and JAX's use the same cuDNN.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            if "libcudnn.so.9" in maps.read():
+                return
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia.cudnn")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        for library in glob.glob(os.path.join(location, "lib", "libcudnn.so.9")):
+            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """(module, None) or (None, reason it could not be loaded)."""
+    try:
+        _preload_cudnn()
+        from jax_sdpa import _sdpa_ffi  # noqa: PLC0415 - loaded lazily, after JAX's backend
+    except (ImportError, OSError) as error:
+        return None, f"the jax_sdpa C++ extension could not be loaded ({error})"
+    return _sdpa_ffi, None
+
+
+def extension():
+    """The loaded extension module; raises ImportError naming the cause if it cannot load."""
+    module, reason = _load()
+    if module is None:
+        raise ImportError(reason)
+    return module
+
+
+def extension_load_error() -> str | None:
+    return _load()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _register_targets() -> None:
+    for name, capsule in extension().registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def cudnn_version() -> int:
+    """cuDNN version of the libcudnn in this process, e.g. 91900 for 9.19.0."""
+    return int(extension().cudnn_version())
+
+
+def graph_cache_stats() -> dict:
+    """{'entries', 'builds', 'hits'} of the process-wide cuDNN graph cache."""
+    return dict(extension().graph_cache_stats())
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Test helper: functions traced inside this block NaN-fill outputs before cuDNN writes."""
+    global _poison_outputs
+    previous, _poison_outputs = _poison_outputs, True
+    try:
+        yield
+    finally:
+        _poison_outputs = previous
+
+
+def _attributes(scale: float, is_causal: bool) -> dict:
+    return dict(scale=np.float32(scale), is_causal=bool(is_causal),
+                poison_outputs=bool(_poison_outputs))
+
+
+def sdpa_forward(query, key, value, *, scale: float, is_causal: bool):
+    """cuDNN forward: (output like query, stats float32 [batch..., heads, q_seq])."""
+    _register_targets()
+    *batch, q_seq_len, q_heads, _ = query.shape
+    result_types = (
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len), jnp.float32),
+    )
+    # broadcast_all: under vmap every operand gains the same leading axis, which the handler
+    # folds into the batch.
+    call = jax.ffi.ffi_call(FORWARD_TARGET, result_types, vmap_method="broadcast_all")
+    return call(query, key, value, **_attributes(scale, is_causal))
+
+
+def sdpa_backward(query, key, value, output, stats, d_output, *, scale: float, is_causal: bool):
+    """cuDNN backward: (dq, dk, dv), shaped and typed like query, key and value."""
+    _register_targets()
+    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, result_types, vmap_method="broadcast_all")
+    return call(query, key, value, output, stats, d_output.astype(output.dtype),
+                **_attributes(scale, is_causal))

@@ -1,0 +1,74 @@
+"""dot_product_attention: jax.nn.dot_product_attention's signature, cuDNN's fused kernels."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+from jax_sdpa import cudnn_support
+from jax_sdpa.cudnn_path import cudnn_attention
+from jax_sdpa.reference import attention_reference
+from jax_sdpa.validation import validate
+
+_warned_reasons: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"jax_sdpa: using the XLA reference path because {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation=None, return_residual=False):
+    """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
+
+    Args:
+      query: ``[batch..., T, N, H]`` (or ``[T, N, H]``), float16/bfloat16 for cuDNN.
+      key, value: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA / MQA).
+      bias: optional float array broadcastable to ``[B, N, T, S]``, added to the scores.
+      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
+      scale: score scale; defaults to ``1 / sqrt(H)``.
+      is_causal: causal mask, aligned top-left (query i sees keys 0..i), as jax.nn.
+      query_seq_lengths, key_value_seq_lengths: optional int32 ``[B]`` valid lengths; query rows
+        past their length are zeroed.
+      local_window_size: ``w`` or ``(left, right)``: query i sees keys ``i-left .. i+right``.
+      implementation: ``None`` (cuDNN when it can run the call, else the XLA reference path with
+        a one-time warning naming why), ``"cudnn"`` (cuDNN or an error naming why), ``"xla"``.
+      return_residual: also return the log-sum-exp of each score row, float32 ``[batch..., T, N]``
+        (jax.nn casts it to the input dtype; we keep float32). It carries no gradient.
+
+    Returns:
+      The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
+    """
+    call = validate(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                    query_seq_lengths=query_seq_lengths,
+                    key_value_seq_lengths=key_value_seq_lengths,
+                    local_window_size=local_window_size, implementation=implementation)
+    use_cudnn = False
+    if implementation != "xla":
+        reason = cudnn_support.unsupported_reason(call)
+        if reason is None:
+            use_cudnn = True
+        elif implementation == "cudnn":
+            raise NotImplementedError(f"implementation='cudnn' cannot run this call: {reason}")
+        else:
+            _warn_once(reason)
+    if use_cudnn:
+        output, lse = cudnn_attention(call.query, call.key, call.value, call.scale,
+                                      call.is_causal)
+    else:
+        output, lse = attention_reference(
+            call.query, call.key, call.value, call.bias, call.mask, scale=call.scale,
+            is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
+            key_value_seq_lengths=call.key_value_seq_lengths,
+            local_window_size=call.local_window_size)
+    output = output.reshape(call.output_shape)
+    if not return_residual:
+        return output
+    # [B, N, T] -> [batch..., T, N], as jax.nn's residual.
+    lse = jax.lax.stop_gradient(lse).swapaxes(-1, -2).reshape(call.output_shape[:-1])
+    return output, lse

@@ -1,0 +1,154 @@
+"""Checking and normalising the arguments of dot_product_attention before anything is traced
+into C++: every problem becomes a ValueError or TypeError that names the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One validated call, its tensors folded to rank 4 ([B, T, N, H] / [B, S, K, H])."""
+
+    query: jnp.ndarray
+    key: jnp.ndarray
+    value: jnp.ndarray
+    bias: jnp.ndarray | None
+    mask: jnp.ndarray | None
+    scale: float
+    is_causal: bool
+    query_seq_lengths: jnp.ndarray | None
+    key_value_seq_lengths: jnp.ndarray | None
+    local_window_size: tuple[int, int] | None
+    output_shape: tuple[int, ...]  # the caller's query shape, restored on the way out
+
+
+def _as_array(value, name):
+    try:
+        return jnp.asarray(value)
+    except TypeError as error:
+        raise TypeError(f"{name} must be an array, got {type(value).__name__}") from error
+
+
+def _check_float(array, name):
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32, ...), "
+                        f"got {array.dtype}")
+
+
+def _fold_batch(array, name):
+    """[T, N, H] -> [1, T, N, H]; [B1, B2, ..., T, N, H] -> [B1*B2*..., T, N, H]."""
+    if array.ndim < 3:
+        raise ValueError(f"{name} must have rank 3 ([seq, heads, head_dim]) or more "
+                         f"([batch..., seq, heads, head_dim]), got shape {array.shape}")
+    return array.reshape((-1, *array.shape[-3:])) if array.ndim != 4 else array
+
+
+def _broadcastable_4d(array, target, name):
+    """Prepends unit axes up to rank 4 and checks that `array` broadcasts to `target`."""
+    if array.ndim > 4:
+        raise ValueError(f"{name} must have rank <= 4 (broadcastable to [batch, heads, q_seq, "
+                         f"kv_seq] = {target}), got shape {array.shape}")
+    array = array.reshape((1,) * (4 - array.ndim) + array.shape)
+    for axis, (size, wanted) in enumerate(zip(array.shape, target)):
+        if size not in (1, wanted):
+            raise ValueError(f"{name} of shape {array.shape} does not broadcast to [batch, heads, "
+                             f"q_seq, kv_seq] = {target} (axis {axis}: {size} vs {wanted})")
+    return array
+
+
+def _seq_lengths(lengths, batch, name):
+    if lengths is None:
+        return None
+    lengths = _as_array(lengths, name)
+    if lengths.dtype != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape [batch] = ({batch},), got {lengths.shape}")
+    return lengths
+
+
+def _window(local_window_size):
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+        window = (int(local_window_size), int(local_window_size))
+    elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and
+          all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+              for w in local_window_size)):
+        window = (int(local_window_size[0]), int(local_window_size[1]))
+    else:
+        raise TypeError("local_window_size must be an int or a (left, right) pair of ints, got "
+                        f"{local_window_size!r}")
+    if min(window) < 0:
+        raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+    return window
+
+
+def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+             key_value_seq_lengths, local_window_size, implementation) -> AttentionCall:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+    query = _as_array(query, "query")
+    key = _as_array(key, "key")
+    value = _as_array(value, "value")
+    for array, name in ((query, "query"), (key, "key"), (value, "value")):
+        _check_float(array, name)
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, "
+                        f"{key.dtype} and {value.dtype}")
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(f"query, key and value must have the same rank, got shapes "
+                         f"{query.shape}, {key.shape} and {value.shape}")
+    if query.shape[:-3] != key.shape[:-3]:
+        raise ValueError(f"query and key must have the same batch axes, got shapes {query.shape} "
+                         f"and {key.shape}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape} and "
+                         f"{value.shape}")
+    output_shape = query.shape
+    query, key, value = (_fold_batch(x, n) for x, n in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    batch, q_seq_len, q_heads, head_dim = query.shape
+    _, kv_seq_len, kv_heads, _ = key.shape
+    if key.shape[-1] != head_dim:
+        raise ValueError(f"query and key must have the same head_dim, got {head_dim} and "
+                         f"{key.shape[-1]}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the number "
+                         f"of key/value heads ({kv_heads})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    else:
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    target = (batch, q_heads, q_seq_len, kv_seq_len)
+    if bias is not None:
+        bias = _as_array(bias, "bias")
+        _check_float(bias, "bias")
+        bias = _broadcastable_4d(bias, target, "bias")
+    if mask is not None:
+        mask = _as_array(mask, "mask")
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
+        mask = _broadcastable_4d(mask, target, "mask")
+    return AttentionCall(
+        query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
+        is_causal=bool(is_causal),
+        query_seq_lengths=_seq_lengths(query_seq_lengths, batch, "query_seq_lengths"),
+        key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
+        local_window_size=_window(local_window_size),
+        output_shape=output_shape,
+    )
