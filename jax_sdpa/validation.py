@@ -67,9 +67,11 @@ def _broadcastable_4d(array, target, name):
 def _seq_lengths(lengths, batch, name):
     if lengths is None:
         return None
+    # The caller's dtype, read before jnp.asarray would quietly narrow int64 to int32.
+    given_dtype = getattr(lengths, "dtype", None)
     lengths = _as_array(lengths, name)
-    if lengths.dtype != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {lengths.dtype}")
+    if (given_dtype if given_dtype is not None else lengths.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {given_dtype or lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [batch] = ({batch},), got {lengths.shape}")
     return lengths

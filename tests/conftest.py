@@ -1,0 +1,38 @@
+import os
+
+# Tests of multi-device code paths run on CPU with several host devices; harmless elsewhere.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_sdpa import cudnn_support  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = cudnn_support.device_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU with cuDNN: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def random_qkv(seed, batch, q_seq, kv_seq, q_heads, kv_heads, head_dim, dtype):
+    """Random normal q [B,T,N,H], k/v [B,S,K,H] and an output cotangent, never zeros."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, q_seq, q_heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (batch, kv_seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (batch, kv_seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
+    return q, k, v, d_out
+
+
+def relative_error(actual, expected):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert np.all(np.isfinite(actual)), "non-finite values in the result"
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))

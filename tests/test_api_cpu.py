@@ -1,0 +1,124 @@
+"""The public API against jax.nn.dot_product_attention(implementation='xla'): outputs and
+gradients, under jit, vmap, checkpoint, for every option. Runs on any backend (CI: CPU)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from conftest import random_qkv, relative_error
+
+SHAPES = [  # (B, T, S, N, K, H)
+    (2, 16, 16, 4, 4, 32),  # MHA
+    (2, 16, 24, 4, 2, 32),  # GQA, T != S
+    (1, 33, 17, 6, 1, 16),  # MQA, odd lengths
+]
+
+
+def ours(*args, **kwargs):
+    return jax_sdpa.dot_product_attention(*args, implementation="xla", **kwargs)
+
+
+def theirs(*args, **kwargs):
+    return jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)
+
+
+def assert_same_function(fn_ours, fn_theirs, q, k, v, d_out, tol=1e-5):
+    out_ours, vjp_ours = jax.vjp(fn_ours, q, k, v)
+    out_theirs, vjp_theirs = jax.vjp(fn_theirs, q, k, v)
+    assert out_ours.shape == out_theirs.shape and out_ours.dtype == out_theirs.dtype
+    assert relative_error(out_ours, out_theirs) < tol
+    for grad_ours, grad_theirs in zip(vjp_ours(d_out), vjp_theirs(d_out)):
+        assert relative_error(grad_ours, grad_theirs) < tol
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_matches_jax_nn(shape, is_causal):
+    b, t, s, n, kh, h = shape
+    q, k, v, d_out = random_qkv(0, b, t, s, n, kh, h, jnp.float32)
+    assert_same_function(lambda *a: ours(*a, is_causal=is_causal, scale=0.3),
+                         lambda *a: theirs(*a, is_causal=is_causal, scale=0.3), q, k, v, d_out)
+
+
+@pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "window_causal",
+                                    "bias_causal", "mask_lengths"])
+def test_options_match_jax_nn(option):
+    b, t, s, n, kh, h = 2, 12, 12, 4, 2, 16
+    q, k, v, d_out = random_qkv(1, b, t, s, n, kh, h, jnp.float32)
+    rng = np.random.default_rng(0)
+    kwargs = {}
+    if "bias" in option:
+        kwargs["bias"] = jnp.asarray(rng.normal(size=(1, n, t, s)), jnp.float32)
+    if "mask" in option:
+        kwargs["mask"] = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
+    if "lengths" in option:
+        kwargs["query_seq_lengths"] = jnp.array([12, 7], jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.array([9, 12], jnp.int32)
+    if "window" in option:
+        kwargs["local_window_size"] = (3, 2)
+    if "causal" in option:
+        kwargs["is_causal"] = True
+    assert_same_function(lambda *a: ours(*a, **kwargs), lambda *a: theirs(*a, **kwargs),
+                         q, k, v, d_out)
+
+
+def test_jit_vmap_checkpoint():
+    q, k, v, d_out = random_qkv(2, 2, 8, 8, 4, 2, 16, jnp.float32)
+    stack = lambda x: jnp.stack([x, 2 * x, -x])  # noqa: E731
+    fn = jax.jit(jax.vmap(jax.checkpoint(lambda *a: ours(*a, is_causal=True))))
+    ref = jax.vmap(lambda *a: theirs(*a, is_causal=True))
+    assert_same_function(fn, ref, stack(q), stack(k), stack(v), stack(d_out))
+
+
+def test_rank3_and_rank5_inputs():
+    q, k, v, _ = random_qkv(3, 2, 8, 8, 4, 4, 16, jnp.float32)
+    out3 = ours(q[0], k[0], v[0])
+    assert out3.shape == q[0].shape
+    np.testing.assert_allclose(out3, theirs(q[0], k[0], v[0]), rtol=1e-5, atol=1e-6)
+    q5, k5, v5 = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
+    out5 = ours(q5, k5, v5, is_causal=True)
+    assert out5.shape == q5.shape
+    expected = jax.vmap(lambda a, b, c: theirs(a, b, c, is_causal=True))(q5, k5, v5)
+    np.testing.assert_allclose(out5, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_return_residual_matches_jax_nn():
+    q, k, v, _ = random_qkv(4, 2, 10, 14, 4, 2, 16, jnp.float32)
+    out, lse = ours(q, k, v, is_causal=True, return_residual=True)
+    out_ref, lse_ref = theirs(q, k, v, is_causal=True, return_residual=True)
+    assert lse.shape == lse_ref.shape == (2, 10, 4) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_low_precision_reference_is_close_to_float32():
+    q, k, v, _ = random_qkv(5, 2, 16, 16, 4, 4, 32, jnp.bfloat16)
+    out = ours(q, k, v, is_causal=True)
+    assert out.dtype == jnp.bfloat16
+    expected = ours(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+    assert relative_error(out, expected) < 1e-2
+
+
+def test_cudnn_without_gpu_is_a_clear_error():
+    if jax_sdpa.cudnn_support.device_reason() is None:
+        pytest.skip("a GPU is present")
+    q, k, v, _ = random_qkv(6, 1, 8, 8, 2, 2, 64, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="implementation='cudnn'.*NVIDIA GPU"):
+        jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_default_falls_back_with_one_warning():
+    if jax_sdpa.cudnn_support.device_reason() is None:
+        pytest.skip("a GPU is present")
+    jax_sdpa.attention._warned_reasons.clear()
+    q, k, v, _ = random_qkv(7, 1, 8, 8, 2, 2, 16, jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax_sdpa.dot_product_attention(q, k, v)
+        jax_sdpa.dot_product_attention(q, k, v)
+    messages = [str(w.message) for w in caught if "jax_sdpa" in str(w.message)]
+    assert len(messages) == 1 and "reference path" in messages[0]

@@ -1,0 +1,50 @@
+"""Every argument outside the contract is a Python error naming the argument, raised before
+anything is traced into C++."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+
+B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
+Q = jnp.ones((B, T, N, H), jnp.float16)
+KV = jnp.ones((B, S, K, H), jnp.float16)
+
+CASES = [  # (description, arguments, keywords, error type, message pattern)
+    ("query rank 2", (Q[0, 0], KV, KV), {}, ValueError, "rank"),
+    ("ranks differ", (Q, KV[0], KV[0]), {}, ValueError, "same rank"),
+    ("batch differs", (Q, KV[:1], KV[:1]), {}, ValueError, "batch"),
+    ("key/value shapes differ", (Q, KV, KV[:, :4]), {}, ValueError, "key and value"),
+    ("head_dim differs", (Q[..., :8], KV, KV), {}, ValueError, "head_dim"),
+    ("heads not a multiple", (Q[:, :, :3], KV, KV), {}, ValueError, "multiple"),
+    ("integer query", (Q.astype(jnp.int32), KV, KV), {}, TypeError, "query.*floating"),
+    ("dtypes differ", (Q, KV.astype(jnp.bfloat16), KV), {}, TypeError, "one dtype"),
+    ("scale a string", (Q, KV, KV), {"scale": "0.1"}, TypeError, "scale"),
+    ("scale infinite", (Q, KV, KV), {"scale": float("inf")}, ValueError, "scale"),
+    ("is_causal an int", (Q, KV, KV), {"is_causal": 1}, TypeError, "is_causal"),
+    ("q lengths int64", (Q, KV, KV), {"query_seq_lengths": np.array([1, 2], np.int64)},
+     TypeError, "query_seq_lengths.*int32"),
+    ("kv lengths shape", (Q, KV, KV), {"key_value_seq_lengths": jnp.array([1, 2, 3], jnp.int32)},
+     ValueError, "key_value_seq_lengths.*shape"),
+    ("negative window", (Q, KV, KV), {"local_window_size": (-1, 2)}, ValueError,
+     "local_window_size"),
+    ("window of three", (Q, KV, KV), {"local_window_size": (1, 2, 3)}, TypeError,
+     "local_window_size"),
+    ("bias does not broadcast", (Q, KV, KV), {"bias": jnp.ones((B, N, T, S + 1))}, ValueError,
+     "bias"),
+    ("bias rank 5", (Q, KV, KV), {"bias": jnp.ones((1, B, N, T, S))}, ValueError, "bias.*rank"),
+    ("integer bias", (Q, KV, KV), {"bias": jnp.ones((B, N, T, S), jnp.int32)}, TypeError, "bias"),
+    ("float mask", (Q, KV, KV), {"mask": jnp.ones((B, 1, T, S))}, TypeError, "mask.*boolean"),
+    ("mask does not broadcast", (Q, KV, KV), {"mask": jnp.ones((3, 1, T, S), bool)}, ValueError,
+     "mask"),
+    ("unknown implementation", (Q, KV, KV), {"implementation": "triton"}, ValueError,
+     "implementation"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_bad_arguments_raise_clear_errors(case):
+    _, args, kwargs, error, pattern = case
+    with pytest.raises(error, match=pattern):
+        jax_sdpa.dot_product_attention(*args, **kwargs)
