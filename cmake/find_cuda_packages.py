@@ -28,17 +28,19 @@ def main():
     cudnn_library = search(["nvidia/cudnn/lib/libcudnn.so.9"])
     frontend_header = search(["include/cudnn_frontend.h", "cudnn_frontend/include/cudnn_frontend.h"])
     # CUDA 13 wheels put everything under nvidia/cu13 (crt/ from nvidia-cuda-crt, nv/ from
-    # nvidia-cuda-cccl); CUDA 12 ones under nvidia/cuda_runtime. A header dir counts only if it is
-    # complete; otherwise the toolkit's is used.
+    # nvidia-cuda-cccl, possibly installed to different roots); CUDA 12 ones under
+    # nvidia/cuda_runtime. The toolkit fills in whatever the wheels lack.
     toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    wheel_dirs = [os.path.join(root, rel) for root in sys.path if root and os.path.isdir(root)
-                  for rel in ("nvidia/cu13/include", "nvidia/cuda_runtime/include")]
-    runtime_include = ""
-    for candidate in wheel_dirs + [os.path.join(toolkit, "include")]:
-        if all(os.path.exists(os.path.join(candidate, f))
-               for f in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target")):
-            runtime_include = candidate
+    include_dirs = []
+    for marker in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target"):
+        found = search([f"nvidia/cu13/include/{marker}", f"nvidia/cuda_runtime/include/{marker}"])
+        found = found or first_existing([os.path.join(toolkit, "include", marker)])
+        directory = found[: -len(marker) - 1] if found else ""
+        if not directory:
+            include_dirs = []
             break
+        if directory not in include_dirs:
+            include_dirs.append(directory)
     runtime_static = search(["nvidia/cu13/lib/libcudart_static.a",
                              "nvidia/cuda_runtime/lib/libcudart_static.a"])
     if not runtime_static:
@@ -47,7 +49,7 @@ def main():
         "JAX_SDPA_CUDNN_INCLUDE_DIR": os.path.dirname(cudnn_header),
         "JAX_SDPA_CUDNN_LIBRARY": cudnn_library,
         "JAX_SDPA_FRONTEND_INCLUDE_DIR": os.path.dirname(frontend_header),
-        "JAX_SDPA_CUDA_INCLUDE_DIR": runtime_include,
+        "JAX_SDPA_CUDA_INCLUDE_DIRS": ";".join(include_dirs),
         "JAX_SDPA_CUDART_STATIC": runtime_static,
     }
     for name, value in values.items():

@@ -1,0 +1,128 @@
+"""Side-by-side attention benchmark: jax_sdpa against jax.nn (cudnn, xla) and flash-attn3-jax.
+
+    python -m benchmarks.attention [--config name:B,S,Nq,Nkv,H,bf16,causal ...] [--out DIR]
+
+Method (shared/DEVICE.md, the device tool's METHOD.md): every implementation runs inside one
+jit as a straight line of CALLS independent calls on different inputs (no fori_loop, no cache
+reuse), warm-up excluded; rounds interleave the implementations; the figure is the median
+round's time per call. Forward and forward+backward are timed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.configs import ANCHOR_CONFIGS, parse_config
+from benchmarks.implementations import available
+
+CALLS = 8
+
+
+def make_inputs(config, seed):
+    keys = jax.random.split(jax.random.key(seed), 4 * CALLS)
+    q_shape = (config.batch, config.seq, config.q_heads, config.head_dim)
+    kv_shape = (config.batch, config.seq, config.kv_heads, config.head_dim)
+    shapes = [q_shape, kv_shape, kv_shape, q_shape]
+
+    def one(i):
+        return tuple(jax.random.normal(keys[4 * i + j], shape, jnp.float32).astype(config.dtype)
+                     for j, shape in enumerate(shapes))
+    return [one(i) for i in range(CALLS)]
+
+
+def timed_functions(attention, causal):
+    def forward(inputs):
+        return [attention(q, k, v, causal) for q, k, v, _ in inputs]
+
+    def forward_backward(inputs):
+        results = []
+        for q, k, v, d_out in inputs:
+            out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal), q, k, v)
+            results.append((out, *vjp(d_out)))
+        return results
+    return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
+
+
+def time_once(fn, inputs):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(inputs))
+    return (time.perf_counter() - start) / CALLS
+
+
+def bench_config(config, rounds):
+    inputs = make_inputs(config, seed=0)
+    impls = available(config)
+    fns = {(name, mode): fn for name, attention in impls.items()
+           for mode, fn in timed_functions(attention, config.causal).items()}
+    first_call = {}
+    for key, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(inputs))  # compile + graph build, excluded from the rounds
+        first_call[key] = time.perf_counter() - start
+        jax.block_until_ready(fn(inputs))
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():  # interleaved: every round visits every implementation
+            samples[key].append(time_once(fn, inputs))
+    rows = []
+    for (name, mode), times in samples.items():
+        seconds = statistics.median(times)
+        flops = config.forward_flops() * (1 if mode == "fwd" else 3.5)
+        rows.append(dict(config=config.name, impl=name, mode=mode, ms=seconds * 1e3,
+                         tflops=flops / seconds / 1e12, spread=(max(times) - min(times)) / seconds,
+                         first_call_s=first_call[(name, mode)]))
+    for row in rows:
+        base = next(r for r in rows if r["impl"] == "jax.nn cudnn" and r["mode"] == row["mode"])
+        fa3 = [r for r in rows if r["impl"] == "flash-attn3-jax" and r["mode"] == row["mode"]]
+        row["vs_jax_nn_cudnn"] = row["ms"] / base["ms"]
+        row["vs_flash_attn3"] = row["ms"] / fa3[0]["ms"] if fa3 else None
+    return rows
+
+
+def markdown(rows):
+    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fa3 = f"{r['vs_flash_attn3']:.3f}" if r["vs_flash_attn3"] is not None else "–"
+        lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
+                     f"{r['tflops']:.0f} | {r['vs_jax_nn_cudnn']:.3f} | {fa3} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[],
+                        help="extra config name:B,S,Nq,Nkv,H,fp16|bf16,causal|full")
+    parser.add_argument("--only", action="append", default=[], help="run only these configs")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    configs = ANCHOR_CONFIGS + [parse_config(text) for text in args.config]
+    if args.only:
+        configs = [c for c in configs if c.name in args.only]
+    device = jax.devices()[0]
+    header = (f"{time.strftime('%Y-%m-%d')}, {device.device_kind}, JAX {jax.__version__}, "
+              f"cuDNN {__import__('jax_sdpa').cudnn_version()}")
+    rows = []
+    for index, config in enumerate(configs):
+        print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
+        rows.extend(bench_config(config, args.rounds))
+    table = markdown(rows)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(dict(header=header, calls_per_round=CALLS, rows=rows), f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(header + "\n\n" + table + "\n")
+    print(header)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The attention functions under test, each as f(q, k, v, causal) -> output, [B, S, N, H]."""
+
+import jax
+
+import jax_sdpa
+
+
+def _jax_nn(implementation):
+    def attention(q, k, v, causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                            implementation=implementation)
+    return attention
+
+
+def _jax_sdpa(q, k, v, causal):
+    return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def available(config):
+    """{name: function} of the implementations that can run `config` here."""
+    found = {"jax_sdpa": _jax_sdpa, "jax.nn cudnn": _jax_nn("cudnn")}
+    try:
+        from flash_attn3_jax import flash_mha  # noqa: PLC0415 - optional peer
+    except ImportError:
+        flash_mha = None
+    if flash_mha is not None and config.head_dim == 128:
+        found["flash-attn3-jax"] = lambda q, k, v, causal: flash_mha(q, k, v, is_causal=causal)
+    if config.run_xla:
+        found["jax.nn xla"] = _jax_nn("xla")
+    return found

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine (the device tool), from the repo root: install carried wheels, build the
+# extension with the machine's own Python, run the whole test suite, then the benchmark.
+#   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark)
+# Carried wheels live in .whl/ (see docs/DEVELOPING.md); logs go to $OUT when it is set.
+set -uo pipefail
+out="${OUT:-/tmp/jax_sdpa_out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+start=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
+  || { tail -40 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
+status=${PIPESTATUS[0]}
+if [ "${BENCH:-1}" = "1" ]; then
+  python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -45
+fi
+exit "$status"

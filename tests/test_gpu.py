@@ -1,0 +1,164 @@
+"""cuDNN path on an NVIDIA GPU against the float32 reference. Skipped without a GPU."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa import _ffi
+from jax_sdpa.cudnn_path import cudnn_attention
+from conftest import random_qkv, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def cudnn_vjp(q, k, v, d_out, **kwargs):
+    fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, implementation="cudnn", **kwargs))
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def reference_vjp(q, k, v, d_out, vmapped=False, **kwargs):
+    """Float32 reference on the upcast inputs: output, dq, dk, dv."""
+    def fn(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    fn = jax.vmap(fn) if vmapped else fn
+    upcast = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    out, vjp = jax.vjp(jax.jit(fn), *upcast[:3])
+    return (out, *vjp(upcast[3]))
+
+
+def assert_close_to_reference(ours, ref, out_tol=1e-2, grad_tol=2e-2):
+    names = ("output", "dq", "dk", "dv")
+    for name, a, b in zip(names, ours, ref):
+        tol = out_tol if name == "output" else grad_tol
+        error = relative_error(a, b)
+        assert error < tol, f"{name}: relative error {error:.2e} >= {tol}"
+
+
+def test_seed_case_at_seed_tolerances():
+    """The cuDNN frontend sample 51: b=4, h=12, s=1024, d=64, fp16, causal, scale 1/sqrt(d)."""
+    q, k, v, d_out = random_qkv(42, 4, 1024, 1024, 12, 12, 64, jnp.float16)
+    ours = cudnn_vjp(q, k, v, d_out, is_causal=True, scale=1 / np.sqrt(64))
+    ref = reference_vjp(q, k, v, d_out, is_causal=True, scale=1 / np.sqrt(64))
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):
+        assert a.dtype == jnp.float16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=5e-3,
+                                   rtol=3e-3, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kv_heads", [8, 4, 2], ids=["mha", "gqa2", "gqa4"])
+@pytest.mark.parametrize("vmapped", [False, True], ids=["plain", "vmap"])
+def test_dtypes_gqa_vmap(dtype, kv_heads, vmapped):
+    q, k, v, d_out = random_qkv(kv_heads, 2, 256, 256, 8, kv_heads, 128, dtype)
+    if vmapped:
+        q, k, v, d_out = (jnp.stack([x, -x]) for x in (q, k, v, d_out))
+        fn = jax.jit(jax.vmap(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")))
+        out, vjp = jax.vjp(fn, q, k, v)
+        ours = (out, *vjp(d_out))
+    else:
+        ours = cudnn_vjp(q, k, v, d_out, is_causal=True)
+    assert_close_to_reference(ours, reference_vjp(q, k, v, d_out, vmapped, is_causal=True))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_head_dims(head_dim, is_causal):
+    q, k, v, d_out = random_qkv(head_dim, 2, 512, 512, 4, 2, head_dim, jnp.bfloat16)
+    assert_close_to_reference(cudnn_vjp(q, k, v, d_out, is_causal=is_causal),
+                              reference_vjp(q, k, v, d_out, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("q_seq,kv_seq", [(384, 640), (640, 384), (1000, 1000), (1, 77), (77, 1)])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_sequence_lengths(q_seq, kv_seq, is_causal):
+    q, k, v, d_out = random_qkv(q_seq + kv_seq, 2, q_seq, kv_seq, 4, 4, 64, jnp.float16)
+    assert_close_to_reference(cudnn_vjp(q, k, v, d_out, is_causal=is_causal, scale=0.2),
+                              reference_vjp(q, k, v, d_out, is_causal=is_causal, scale=0.2))
+
+
+def test_return_residual_is_the_log_sum_exp():
+    q, k, v, _ = random_qkv(5, 2, 300, 200, 8, 2, 64, jnp.bfloat16)
+    out, lse = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                              return_residual=True)
+    _, lse_ref = jax_sdpa.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                is_causal=True, implementation="xla",
+                                                return_residual=True)
+    assert lse.shape == (2, 300, 8) and lse.dtype == jnp.float32
+    assert relative_error(lse, lse_ref) < 1e-3
+
+
+def test_every_output_element_is_written():
+    q, k, v, d_out = random_qkv(6, 2, 200, 136, 8, 4, 64, jnp.bfloat16)
+    with _ffi.poison_outputs():
+        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, 0.125, True))
+        (out, stats), vjp = jax.vjp(fn, q, k, v)
+        grads = vjp((d_out, jnp.zeros_like(stats)))
+    for name, x in zip(("output", "stats", "dq", "dk", "dv"), (out, stats, *grads)):
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+    assert_close_to_reference((out, *grads), reference_vjp(q, k, v, d_out, is_causal=True,
+                                                           scale=0.125))
+
+
+def test_compiled_hlo_calls_our_targets_only():
+    q, k, v, _ = random_qkv(7, 1, 128, 128, 4, 4, 64, jnp.float16)
+    grad = jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, is_causal=True).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    text = jax.jit(grad).lower(q, k, v).compile().as_text()
+    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    assert "cudnn$fmha" not in text
+
+
+def test_no_graph_rebuild_after_first_call():
+    q, k, v, d_out = random_qkv(8, 3, 320, 320, 6, 3, 64, jnp.float16)
+    step = jax.jit(lambda q, k, v, d: jax.vjp(lambda *a: jax_sdpa.dot_product_attention(
+        *a, is_causal=True, implementation="cudnn"), q, k, v)[1](d))
+    jax.block_until_ready(step(q, k, v, d_out))
+    before = jax_sdpa.graph_cache_stats()
+    for seed in range(3):
+        q2, k2, v2, d2 = random_qkv(100 + seed, 3, 320, 320, 6, 3, 64, jnp.float16)
+        jax.block_until_ready(step(q2, k2, v2, d2))
+    after = jax_sdpa.graph_cache_stats()
+    assert after["builds"] == before["builds"], (before, after)
+    assert after["hits"] == before["hits"] + 6, (before, after)
+
+
+def test_cudnn_failure_is_an_exception_and_the_next_call_works():
+    # head_dim 512 passes our C++ shape checks but no cuDNN engine supports it.
+    q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 512, jnp.float16)
+    with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=512"):
+        jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(*a, 0.1, False))(q, k, v))
+    q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
+    out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("order", ["backend_first", "extension_first"])
+def test_import_order_in_a_fresh_process(order):
+    """shared/DEVICE.md: a frontend extension once crashed when JAX's GPU backend came first."""
+    first = "jax.devices()" if order == "backend_first" else "from jax_sdpa import _sdpa_ffi"
+    second = "from jax_sdpa import _sdpa_ffi" if order == "backend_first" else "jax.devices()"
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp
+        {first}
+        {second}
+        import jax_sdpa
+        q = jax.random.normal(jax.random.key(0), (2, 256, 4, 64), jnp.float32).astype(jnp.bfloat16)
+        g = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum())(q)
+        print("ok", bool(jnp.isfinite(g.astype(jnp.float32)).all()))
+    """)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok True" in result.stdout
