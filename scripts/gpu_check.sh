@@ -18,7 +18,8 @@ start=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
 status=${PIPESTATUS[0]}
 if [ "${BENCH:-1}" = "1" ]; then
   python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -45

@@ -27,11 +27,14 @@ def theirs(*args, **kwargs):
 
 
 def assert_same_function(fn_ours, fn_theirs, q, k, v, d_out, tol=1e-5):
-    out_ours, vjp_ours = jax.vjp(fn_ours, q, k, v)
-    out_theirs, vjp_theirs = jax.vjp(fn_theirs, q, k, v)
+    # Full float32 matmuls for both sides: on a GPU jax.nn's default precision is TF32.
+    with jax.default_matmul_precision("float32"):
+        out_ours, vjp_ours = jax.vjp(fn_ours, q, k, v)
+        out_theirs, vjp_theirs = jax.vjp(fn_theirs, q, k, v)
+        grads = list(zip(vjp_ours(d_out), vjp_theirs(d_out)))
     assert out_ours.shape == out_theirs.shape and out_ours.dtype == out_theirs.dtype
     assert relative_error(out_ours, out_theirs) < tol
-    for grad_ours, grad_theirs in zip(vjp_ours(d_out), vjp_theirs(d_out)):
+    for grad_ours, grad_theirs in grads:
         assert relative_error(grad_ours, grad_theirs) < tol
 
 
@@ -76,20 +79,23 @@ def test_jit_vmap_checkpoint():
 
 def test_rank3_and_rank5_inputs():
     q, k, v, _ = random_qkv(3, 2, 8, 8, 4, 4, 16, jnp.float32)
-    out3 = ours(q[0], k[0], v[0])
+    with jax.default_matmul_precision("float32"):
+        out3 = ours(q[0], k[0], v[0])
+        expected3 = theirs(q[0], k[0], v[0])
+        q5, k5, v5 = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
+        out5 = ours(q5, k5, v5, is_causal=True)
+        expected = jax.vmap(lambda a, b, c: theirs(a, b, c, is_causal=True))(q5, k5, v5)
     assert out3.shape == q[0].shape
-    np.testing.assert_allclose(out3, theirs(q[0], k[0], v[0]), rtol=1e-5, atol=1e-6)
-    q5, k5, v5 = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
-    out5 = ours(q5, k5, v5, is_causal=True)
+    np.testing.assert_allclose(out3, expected3, rtol=1e-5, atol=1e-6)
     assert out5.shape == q5.shape
-    expected = jax.vmap(lambda a, b, c: theirs(a, b, c, is_causal=True))(q5, k5, v5)
     np.testing.assert_allclose(out5, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_return_residual_matches_jax_nn():
     q, k, v, _ = random_qkv(4, 2, 10, 14, 4, 2, 16, jnp.float32)
-    out, lse = ours(q, k, v, is_causal=True, return_residual=True)
-    out_ref, lse_ref = theirs(q, k, v, is_causal=True, return_residual=True)
+    with jax.default_matmul_precision("float32"):
+        out, lse = ours(q, k, v, is_causal=True, return_residual=True)
+        out_ref, lse_ref = theirs(q, k, v, is_causal=True, return_residual=True)
     assert lse.shape == lse_ref.shape == (2, 10, 4) and lse.dtype == jnp.float32
     np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)

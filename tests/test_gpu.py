@@ -133,9 +133,10 @@ def test_no_graph_rebuild_after_first_call():
 
 
 def test_cudnn_failure_is_an_exception_and_the_next_call_works():
-    # head_dim 512 passes our C++ shape checks but no cuDNN engine supports it.
-    q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 512, jnp.float16)
-    with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=512"):
+    # head_dim 60 (not a multiple of 8) passes the C++ shape checks, but cuDNN rejects it.
+    # The Python API refuses it first, so the custom_vjp is called directly.
+    q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 60, jnp.float16)
+    with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=60"):
         jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(*a, 0.1, False))(q, k, v))
     q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
     out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
