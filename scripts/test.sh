@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up .venv (building the C++ extension), then run every test. GPU tests
+# skip cleanly without an NVIDIA GPU. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+. .venv/bin/activate
+python -m pytest -q -rs "$@"
