@@ -70,7 +70,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     if keep is not None:
         logits = jnp.where(keep, logits, _large_negative())
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None]).astype(value.dtype)
+    # softmax, not exp(logits - lse): for a fully masked row lse rounds to the fill value itself.
+    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
     probs = probs.reshape(batch, kv_heads, groups, q_seq_len, kv_seq_len)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, value, preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision.HIGHEST)

@@ -48,7 +48,7 @@ def test_matches_jax_nn(shape, is_causal):
 
 
 @pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "window_causal",
-                                    "bias_causal", "mask_lengths"])
+                                    "bias_causal", "mask_lengths", "mask_empty_rows"])
 def test_options_match_jax_nn(option):
     b, t, s, n, kh, h = 2, 12, 12, 4, 2, 16
     q, k, v, d_out = random_qkv(1, b, t, s, n, kh, h, jnp.float32)
@@ -58,6 +58,8 @@ def test_options_match_jax_nn(option):
         kwargs["bias"] = jnp.asarray(rng.normal(size=(1, n, t, s)), jnp.float32)
     if "mask" in option:
         kwargs["mask"] = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
+    if option == "mask_empty_rows":  # rows that attend to nothing: a uniform softmax, as jax.nn
+        kwargs["mask"] = kwargs["mask"].at[:, :, 3:5, :].set(False)
     if "lengths" in option:
         kwargs["query_seq_lengths"] = jnp.array([12, 7], jnp.int32)
         kwargs["key_value_seq_lengths"] = jnp.array([9, 12], jnp.int32)

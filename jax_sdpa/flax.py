@@ -1,0 +1,77 @@
+"""Drop-in ``attention_fn`` for Flax: ``flax.linen.MultiHeadDotProductAttention`` and
+``flax.nnx.MultiHeadAttention``.
+
+    import jax_sdpa.flax
+    layer = nnx.MultiHeadAttention(..., attention_fn=jax_sdpa.flax.dot_product_attention)
+
+Linen passes only the keywords this function names, NNX passes all of them (and ``is_causal``).
+Whatever fused attention cannot do (sowing attention weights, attention dropout in training,
+custom einsums) runs through Flax's own attention, with a one-time warning naming why.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+from flax import linen
+
+from jax_sdpa import attention as _attention
+
+_warned: set[str] = set()
+
+
+def _fold_leading(array, batch_shape):
+    """Mask/bias broadcastable to [batch..., heads, T, S] -> [prod(batch), heads, T, S], the
+    batch axes folded as the queries' are (with one batch axis it is passed as is)."""
+    if array is None or (len(batch_shape) == 1 and array.ndim <= 4):
+        return array
+    trailing = (1,) * max(0, 3 - array.ndim) + array.shape[-3:]
+    array = jnp.broadcast_to(array, (*batch_shape, *trailing))
+    return array.reshape((-1, *trailing))
+
+
+def _flax_fallback_reason(module, dropout_rate, deterministic, qk_attn_weights_einsum,
+                          attn_weights_value_einsum, einsum_dot_general):
+    if module is not None:
+        return "module= asks to sow the attention weights, which fused attention never forms"
+    if dropout_rate > 0.0 and not deterministic:
+        return "attention dropout (dropout_rate > 0, deterministic=False) is not in jax_sdpa yet"
+    if any(f is not None for f in (qk_attn_weights_einsum, attn_weights_value_einsum,
+                                   einsum_dot_general)):
+        return "custom einsum functions need the explicit attention weights"
+    return None
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, force_fp32_for_softmax=False,
+                          einsum_dot_general=None, qk_attn_weights_einsum=None,
+                          attn_weights_value_einsum=None, promote_dtype=None, is_causal=False):
+    """Flax's attention_fn contract: q ``[batch..., T, N, H]``, k/v ``[batch..., S, K, H]``,
+    mask (True = attend) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
+    float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action."""
+    del precision, force_fp32_for_softmax, promote_dtype
+    reason = _flax_fallback_reason(module, dropout_rate, deterministic, qk_attn_weights_einsum,
+                                   attn_weights_value_einsum, einsum_dot_general)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"jax_sdpa.flax: using Flax's attention because {reason}",
+                          RuntimeWarning, stacklevel=2)
+        if is_causal:
+            causal = linen.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)
+            mask = causal if mask is None else jnp.logical_and(mask, causal)
+        return linen.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+            dtype=dtype, module=module, qk_attn_weights_einsum=qk_attn_weights_einsum,
+            attn_weights_value_einsum=attn_weights_value_einsum)
+    common = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (x.astype(common) for x in (query, key, value))
+    batch_shape = query.shape[:-3]
+    if mask is not None:
+        mask = jnp.asarray(mask).astype(jnp.bool_)  # Flax's masks may be float (nonzero = attend)
+    return _attention.dot_product_attention(
+        query, key, value, bias=_fold_leading(bias, batch_shape),
+        mask=_fold_leading(mask, batch_shape), is_causal=is_causal)

@@ -1,0 +1,104 @@
+"""jax_sdpa.flax.dot_product_attention as Flax's attention_fn: same outputs and parameter
+gradients as Flax's default attention, in linen and nnx modules."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import linen, nnx  # noqa: E402
+
+import jax_sdpa.flax  # noqa: E402
+from conftest import relative_error  # noqa: E402
+
+B, T, FEATURES, HEADS = 2, 16, 64, 4
+
+
+def inputs(seed, dtype=jnp.float32, batch_shape=(B,)):
+    return jax.random.normal(jax.random.key(seed), (*batch_shape, T, FEATURES)).astype(dtype)
+
+
+def masks(kind):
+    if kind == "none":
+        return None
+    causal = linen.make_causal_mask(jnp.ones((B, T)), dtype=jnp.bool_)
+    lengths = jnp.array([T, T // 2])
+    padding = linen.make_attention_mask(jnp.arange(T)[None] < lengths[:, None],
+                                        jnp.arange(T)[None] < lengths[:, None])
+    return {"causal": causal, "padding": padding,
+            "causal_padding": linen.combine_masks(causal, padding)}[kind]
+
+
+def assert_trees_close(ours, theirs, tol):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        assert relative_error(a, b) < tol
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "causal_padding"])
+def test_linen_module_matches_default(mask_kind):
+    x, mask = inputs(0), masks(mask_kind)
+
+    def build(attention_fn):
+        kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
+        return linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES,
+                                                  deterministic=True, **kwargs)
+    params = build(None).init(jax.random.key(1), x, mask=mask)
+
+    def loss(params, module):
+        out = module.apply(params, x, mask=mask)
+        return jnp.sum(out * jnp.cos(out)), out
+    with jax.default_matmul_precision("float32"):
+        (_, out_ours), g_ours = jax.value_and_grad(loss, has_aux=True)(
+            params, build(jax_sdpa.flax.dot_product_attention))
+        (_, out_theirs), g_theirs = jax.value_and_grad(loss, has_aux=True)(params, build(None))
+    assert relative_error(out_ours, out_theirs) < 1e-5
+    assert_trees_close(g_ours, g_theirs, 1e-4)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nnx_module_matches_default(mask_kind, is_causal):
+    x, mask = inputs(2), masks(mask_kind)
+
+    def build(attention_fn):
+        kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
+        return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                      rngs=nnx.Rngs(3), **kwargs)
+    ours, theirs = build(jax_sdpa.flax.dot_product_attention), build(None)
+
+    def loss(module):
+        out = module(x, mask=mask, is_causal=is_causal)
+        return jnp.sum(out * jnp.cos(out)), out
+    with jax.default_matmul_precision("float32"):
+        (_, out_ours), g_ours = nnx.value_and_grad(loss, has_aux=True)(ours)
+        (_, out_theirs), g_theirs = nnx.value_and_grad(loss, has_aux=True)(theirs)
+    assert relative_error(out_ours, out_theirs) < 1e-5
+    assert_trees_close(nnx.state(g_ours), nnx.state(g_theirs), 1e-4)
+
+
+def test_several_batch_axes_with_mask():
+    x = inputs(4, batch_shape=(2, 3))
+    mask = linen.make_causal_mask(jnp.ones((2, 3, T)), dtype=jnp.bool_)
+    q = k = v = x.reshape(2, 3, T, HEADS, FEATURES // HEADS)
+    with jax.default_matmul_precision("float32"):
+        ours = jax_sdpa.flax.dot_product_attention(q, k, v, mask=mask)
+        theirs = linen.dot_product_attention(q, k, v, mask=mask)
+    assert relative_error(ours, theirs) < 1e-5
+
+
+def test_sow_weights_falls_back_to_flax_with_a_warning():
+    x = inputs(5)
+    module = linen.MultiHeadDotProductAttention(
+        num_heads=HEADS, deterministic=True, attention_fn=jax_sdpa.flax.dot_product_attention)
+    params = module.init(jax.random.key(6), x)
+    jax_sdpa.flax._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, state = module.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    assert any("sow" in str(w.message) for w in caught)
+    weights = jax.tree.leaves(state["intermediates"])[0]
+    assert weights.shape == (B, HEADS, T, T)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
