@@ -1,0 +1,76 @@
+"""A GPT-2-style decoder in Flax NNX: pre-LayerNorm blocks, learned positions, tied embeddings,
+its causal self-attention through a choice of attention functions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jax_sdpa
+
+ATTENTION = {
+    "jax_sdpa": lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v, is_causal=True),
+    "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation="xla"),
+    "jax-cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                              implementation="cudnn"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    dtype: str = "bfloat16"  # computation dtype; parameters stay float32
+    attention: str = "jax_sdpa"
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.n_head = config.n_head
+        self.attention = config.attention
+        self.qkv = nnx.Linear(config.d_model, 3 * config.d_model, dtype=dtype, rngs=rngs)
+        self.proj = nnx.Linear(config.d_model, config.d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        batch, seq, features = x.shape
+        qkv = self.qkv(x).reshape(batch, seq, 3, self.n_head, features // self.n_head)
+        y = ATTENTION[self.attention](qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        return self.proj(y.reshape(batch, seq, features))
+
+
+class Block(nnx.Module):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.ln1 = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(config, rngs)
+        self.ln2 = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
+        self.fc = nnx.Linear(config.d_model, 4 * config.d_model, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(4 * config.d_model, config.d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(0.02)
+        self.token_embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype,
+                                     embedding_init=init, rngs=rngs)
+        self.position_embed = nnx.Embed(config.seq_len, config.d_model, dtype=dtype,
+                                        embedding_init=init, rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
+        self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.token_embed(tokens) + self.position_embed(jnp.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32)  # tied output layer

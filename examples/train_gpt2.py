@@ -1,0 +1,145 @@
+"""Train a GPT-2-style byte-level model on the Python standard library's source, with its
+attention through jax_sdpa (or jax.nn's paths, to compare).
+
+    python examples/train_gpt2.py                      # small model on CPU, GPT-2 small on a GPU
+    python examples/train_gpt2.py --attention xla --steps 200
+
+Writes <out-dir>/log.json (config, losses, tokens/s) and <out-dir>/loss.png.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt2_model import ATTENTION, GPT, GPTConfig  # noqa: E402
+from stdlib_text import load_stdlib_bytes, random_batch, train_validation_split  # noqa: E402
+
+# Presets: "cpu" finishes in a few minutes on 2 cores; "gpt2" is GPT-2 small (124M parameters).
+PRESETS = {
+    "cpu": dict(n_layer=4, n_head=4, d_model=128, seq_len=256, batch=8, steps=500, lr=2e-3,
+                dtype="float32", eval_every=100, data_mb=4),
+    "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, batch=16, steps=300, lr=6e-4,
+                 dtype="bfloat16", eval_every=100, data_mb=32),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="default: gpt2 on a GPU, cpu elsewhere")
+    parser.add_argument("--attention", choices=sorted(ATTENTION), default="jax_sdpa")
+    for name in ("steps", "batch", "seq_len", "n_layer", "n_head", "d_model", "eval_every",
+                 "data_mb"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
+    args = parser.parse_args(argv)
+    preset = args.preset or ("gpt2" if jax.default_backend() == "gpu" else "cpu")
+    settings = dict(PRESETS[preset], preset=preset)
+    settings.update({k: v for k, v in vars(args).items() if v is not None and k != "preset"})
+    return argparse.Namespace(**settings)
+
+
+def make_train_step(graphdef, optimizer):
+    def loss_fn(params, x, y):
+        logits = nnx.merge(graphdef, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step, jax.jit(loss_fn)
+
+
+def save_plot(path, history, validation, title):
+    import matplotlib  # noqa: PLC0415 - only needed at the end
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
+    if validation:
+        ax.plot([v["step"] for v in validation], [v["loss"] for v in validation], "o-",
+                label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("once", category=RuntimeWarning, module="jax_sdpa")
+    out_dir = pathlib.Path(args.out_dir or f"runs/gpt2-{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_data, val_data = train_validation_split(load_stdlib_bytes(args.data_mb * 2**20))
+    config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                       d_model=args.d_model, dtype=args.dtype, attention=args.attention)
+    model = GPT(config, nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10),
+                                                  args.steps, args.lr / 10)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+    opt_state = optimizer.init(params)
+    train_step, eval_loss = make_train_step(graphdef, optimizer)
+    device = jax.devices()[0]
+    print(f"{args.preset} preset on {device.device_kind}: {n_params / 1e6:.2f}M parameters, "
+          f"attention={args.attention}, {len(train_data) / 1e6:.1f} MB of training bytes")
+
+    rng = np.random.default_rng(args.seed)
+    val_rng = np.random.default_rng(args.seed + 1)
+    val_batches = [random_batch(val_data, args.batch, args.seq_len, val_rng) for _ in range(4)]
+    tokens_per_step = args.batch * args.seq_len
+    history, validation, timed = [], [], []
+    bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True)
+    for step in bar:
+        x, y = random_batch(train_data, args.batch, args.seq_len, rng)
+        start = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, x, y)
+        loss = float(loss)  # waits for the step: the timing below is the step's own
+        seconds = time.perf_counter() - start
+        if step > 2:  # the first steps compile
+            timed.append(seconds)
+        history.append(dict(step=step, loss=loss))
+        tokens_per_s = tokens_per_step / np.median(timed) if timed else float("nan")
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            val_loss = float(np.mean([eval_loss(params, vx, vy) for vx, vy in val_batches]))
+            validation.append(dict(step=step, loss=val_loss))
+            bar.write(f"step {step}: train {loss:.3f}, validation {val_loss:.3f}")
+    tokens_per_s = tokens_per_step / float(np.median(timed)) if timed else None
+    log = dict(args=vars(args), parameters=int(n_params), device=device.device_kind,
+               jax=jax.__version__, tokens_per_s=tokens_per_s, train=history,
+               validation=validation)
+    (out_dir / "log.json").write_text(json.dumps(log, indent=1))
+    save_plot(out_dir / "loss.png", history, validation,
+              f"GPT ({n_params / 1e6:.1f}M), attention={args.attention}, {device.device_kind}")
+    rate = f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a"
+    print(f"done: validation loss {validation[-1]['loss']:.3f}, {rate} tokens/s; wrote "
+          f"{out_dir / 'log.json'} and {out_dir / 'loss.png'}")
+
+
+if __name__ == "__main__":
+    main()
