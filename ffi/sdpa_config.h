@@ -24,7 +24,15 @@ struct SdpaConfig {
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
   float scale = 1.0f;
-  bool causal = false;  // top-left aligned, as jax.nn
+  // Diagonal band, aligned top-left: query i sees keys j with i - window_left < j (cuDNN's
+  // exclusive left bound) and j <= i + window_right. -1: no bound. Causal is window_right = 0.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  bool padding = false;     // int32 [batch] actual lengths of queries and keys/values
+  int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
+  int64_t bias_heads = 0;   // 1 or q_heads
+  bool bias_grad = false;   // backward also produces dbias, shaped like the bias
+  bool deterministic = false;  // backward: cuDNN's deterministic algorithm
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

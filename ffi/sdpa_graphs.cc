@@ -21,6 +21,10 @@ enum TensorUid : int64_t {
   kDQ,
   kDK,
   kDV,
+  kBias,
+  kDBias,
+  kQLengths,
+  kKvLengths,
 };
 
 fe::DataType_t FrontendType(ElementType type) {
@@ -71,6 +75,41 @@ std::shared_ptr<fe::graph::Graph> NewGraph(const SdpaConfig& c) {
   return graph;
 }
 
+TensorPtr AddBias(fe::graph::Graph& graph, const SdpaConfig& c, const char* name, int64_t uid) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({c.bias_batch, c.bias_heads, c.q_seq_len, c.kv_seq_len})
+                          .set_stride({c.bias_heads * c.q_seq_len * c.kv_seq_len,
+                                       c.q_seq_len * c.kv_seq_len, c.kv_seq_len, 1}));
+}
+
+TensorPtr AddLengths(fe::graph::Graph& graph, const SdpaConfig& c, const char* name,
+                     int64_t uid) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({c.batch, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT32));
+}
+
+// The masking and bias options common to SDPA_attributes and SDPA_backward_attributes.
+template <typename Options>
+void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) {
+  if (c.window_right >= 0 || c.window_left >= 0) {
+    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+  }
+  if (c.window_right >= 0) options.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
+  if (c.window_left >= 0) options.set_diagonal_band_left_bound(static_cast<int>(c.window_left));
+  if (c.padding) {
+    options.set_padding_mask(true)
+        .set_seq_len_q(AddLengths(graph, c, "q_lengths", kQLengths))
+        .set_seq_len_kv(AddLengths(graph, c, "kv_lengths", kKvLengths));
+  }
+  if (c.bias_batch > 0) options.set_bias(AddBias(graph, c, "bias", kBias));
+}
+
 std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
   auto graph = NewGraph(c);
   auto q = AddBshdTensor(*graph, "Q", kQ, c, true);
@@ -80,10 +119,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(c.scale);
-  if (c.causal) {
-    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-        .set_diagonal_band_right_bound(0);
-  }
+  SetMasking(*graph, c, options);
   auto [o, stats] = graph->sdpa(q, k, v, options);
   SetBshdOutput(o, kO, c, true);
   stats->set_output(true)
@@ -109,10 +145,13 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
                                  .set_data_type(fe::DataType_t::FLOAT));
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("jax_sdpa_backward")
-                     .set_attn_scale(c.scale);
-  if (c.causal) {
-    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-        .set_diagonal_band_right_bound(0);
+                     .set_attn_scale(c.scale)
+                     .set_deterministic_algorithm(c.deterministic);
+  SetMasking(*graph, c, options);
+  if (c.bias_batch > 0 && c.bias_grad) {
+    auto dbias = AddBias(*graph, c, "dbias", kDBias);
+    dbias->set_output(true);
+    options.set_dbias(dbias);
   }
   auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, stats, options);
   SetBshdOutput(dq, kDQ, c, true);
@@ -124,6 +163,18 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
 ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig& c) {
   return ffi::Error::Internal(std::string("cuDNN frontend ") + step + " failed for " +
                               c.ToString() + ": " + status.get_message());
+}
+
+void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
+               std::unordered_map<int64_t, void*>& pack) {
+  pack[kQ] = const_cast<void*>(in.q);
+  pack[kK] = const_cast<void*>(in.k);
+  pack[kV] = const_cast<void*>(in.v);
+  if (c.bias_batch > 0) pack[kBias] = const_cast<void*>(in.bias);
+  if (c.padding) {
+    pack[kQLengths] = const_cast<void*>(in.q_lengths);
+    pack[kKvLengths] = const_cast<void*>(in.kv_lengths);
+  }
 }
 
 }  // namespace
@@ -169,10 +220,8 @@ ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
 
 ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& b,
                                      void* workspace) {
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, const_cast<void*>(b.q)}, {kK, const_cast<void*>(b.k)},
-      {kV, const_cast<void*>(b.v)}, {kO, b.o},
-      {kStats, b.stats}};
+  std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
+  AddInputs(config_, b.in, pack);
   fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
   if (status.is_bad()) return FrontendError(status, "execute", config_);
   return ffi::Error::Success();
@@ -181,11 +230,10 @@ ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers&
 ffi::Error SdpaGraph::ExecuteBackward(cudnnHandle_t handle, const BackwardBuffers& b,
                                       void* workspace) {
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, const_cast<void*>(b.q)},   {kK, const_cast<void*>(b.k)},
-      {kV, const_cast<void*>(b.v)},   {kO, const_cast<void*>(b.o)},
-      {kDO, const_cast<void*>(b.d_o)}, {kStats, const_cast<void*>(b.stats)},
-      {kDQ, b.dq},                    {kDK, b.dk},
-      {kDV, b.dv}};
+      {kO, const_cast<void*>(b.o)}, {kDO, const_cast<void*>(b.d_o)},
+      {kStats, const_cast<void*>(b.stats)}, {kDQ, b.dq}, {kDK, b.dk}, {kDV, b.dv}};
+  AddInputs(config_, b.in, pack);
+  if (config_.bias_batch > 0 && config_.bias_grad) pack[kDBias] = b.dbias;
   fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
   if (status.is_bad()) return FrontendError(status, "execute", config_);
   return ffi::Error::Success();

@@ -12,27 +12,34 @@
 
 namespace jax_sdpa {
 
-// Device pointers of one forward call: q, k, v in; o and stats (float32 log-sum-exp) out.
-struct ForwardBuffers {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* o;
-  void* stats;
+// Inputs shared by both directions; bias and the int32 [batch] lengths only where the config
+// has them (nullptr otherwise).
+struct AttentionInputs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* bias = nullptr;
+  const void* q_lengths = nullptr;
+  const void* kv_lengths = nullptr;
 };
 
-// Device pointers of one backward call: the forward's inputs, output and stats, and dO in;
-// dq, dk, dv out.
+// Forward: o and stats (float32 log-sum-exp, [batch, q_heads, q_seq]) out.
+struct ForwardBuffers {
+  AttentionInputs in;
+  void* o = nullptr;
+  void* stats = nullptr;
+};
+
+// Backward: the forward's output and stats, and dO in; dq, dk, dv (and dbias) out.
 struct BackwardBuffers {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* o;
-  const void* d_o;
-  const void* stats;
-  void* dq;
-  void* dk;
-  void* dv;
+  AttentionInputs in;
+  const void* o = nullptr;
+  const void* d_o = nullptr;
+  const void* stats = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dbias = nullptr;
 };
 
 class SdpaGraph {

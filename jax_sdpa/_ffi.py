@@ -90,29 +90,52 @@ def poison_outputs():
         _poison_outputs = previous
 
 
-def _attributes(scale: float, is_causal: bool) -> dict:
-    return dict(scale=np.float32(scale), is_causal=bool(is_causal),
+def _attributes(options, *, has_bias: bool, has_lengths: bool) -> dict:
+    return dict(scale=np.float32(options.scale), window_left=np.int64(options.window_left),
+                window_right=np.int64(options.window_right), has_bias=has_bias,
+                has_lengths=has_lengths, bias_grad=bool(options.bias_grad),
+                deterministic=bool(options.deterministic),
                 poison_outputs=bool(_poison_outputs))
 
 
-def sdpa_forward(query, key, value, *, scale: float, is_causal: bool):
-    """cuDNN forward: (output like query, stats float32 [batch..., heads, q_seq])."""
+def _optional_operands(bias, q_lengths, kv_lengths):
+    operands = [] if bias is None else [bias]
+    if q_lengths is not None:
+        operands += [q_lengths, kv_lengths]
+    return operands
+
+
+def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, options):
+    """cuDNN forward: (output like query, stats float32 [batch..., heads, q_seq]).
+
+    bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths/kv_lengths: None or int32
+    [B] (both or neither); options: a CudnnOptions.
+    """
     _register_targets()
     *batch, q_seq_len, q_heads, _ = query.shape
     result_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len), jnp.float32),
     )
-    # broadcast_all: under vmap every operand gains the same leading axis, which the handler
+    # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     call = jax.ffi.ffi_call(FORWARD_TARGET, result_types, vmap_method="broadcast_all")
-    return call(query, key, value, **_attributes(scale, is_causal))
+    return call(query, key, value, *_optional_operands(bias, q_lengths, kv_lengths),
+                **_attributes(options, has_bias=bias is not None,
+                              has_lengths=q_lengths is not None))
 
 
-def sdpa_backward(query, key, value, output, stats, d_output, *, scale: float, is_causal: bool):
-    """cuDNN backward: (dq, dk, dv), shaped and typed like query, key and value."""
+def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, output, stats, d_output,
+                  options):
+    """cuDNN backward: (dq, dk, dv, dbias); dbias is None unless options.bias_grad."""
     _register_targets()
-    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, result_types, vmap_method="broadcast_all")
-    return call(query, key, value, output, stats, d_output.astype(output.dtype),
-                **_attributes(scale, is_causal))
+    result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value)]
+    with_dbias = bias is not None and options.bias_grad
+    if with_dbias:
+        result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
+    results = call(query, key, value, output, stats, d_output.astype(output.dtype),
+                   *_optional_operands(bias, q_lengths, kv_lengths),
+                   **_attributes(options, has_bias=bias is not None,
+                                 has_lengths=q_lengths is not None))
+    return (*results[:3], results[3] if with_dbias else None)

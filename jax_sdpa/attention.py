@@ -7,7 +7,7 @@ import warnings
 import jax
 
 from jax_sdpa import cudnn_support
-from jax_sdpa.cudnn_path import cudnn_attention
+from jax_sdpa import cudnn_path
 from jax_sdpa.reference import attention_reference
 from jax_sdpa.validation import validate
 
@@ -23,7 +23,8 @@ def _warn_once(reason: str) -> None:
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size=None, implementation=None, return_residual=False):
+                          local_window_size=None, implementation=None, return_residual=False,
+                          deterministic=False):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -40,6 +41,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         a one-time warning naming why), ``"cudnn"`` (cuDNN or an error naming why), ``"xla"``.
       return_residual: also return the log-sum-exp of each score row, float32 ``[batch..., T, N]``
         (jax.nn casts it to the input dtype; we keep float32). It carries no gradient.
+      deterministic: cuDNN's deterministic backward (bitwise reproducible; slower). Not in
+        jax.nn. The reference path is deterministic anyway.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
@@ -58,8 +61,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         else:
             _warn_once(reason)
     if use_cudnn:
-        output, lse = cudnn_attention(call.query, call.key, call.value, call.scale,
-                                      call.is_causal)
+        output, lse = cudnn_path.run(call, deterministic=bool(deterministic))
     else:
         output, lse = attention_reference(
             call.query, call.key, call.value, call.bias, call.mask, scale=call.scale,

@@ -51,10 +51,6 @@ def call_reason(call: AttentionCall) -> str | None:
     head_dim = call.query.shape[-1]
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
-    for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
-                 "local_window_size"):
-        if getattr(call, name) is not None:
-            return f"{name} does not run on cuDNN in this version of jax_sdpa"
     return None
 
 

@@ -21,7 +21,17 @@ echo "build: $(( $(date +%s) - start )) s"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
 status=${PIPESTATUS[0]}
+if [ "${TRAIN:-0}" = "1" ]; then
+  # The GPT-2 example once per attention path, same seed; then the curves compared.
+  for attention in jax_sdpa jax-cudnn xla; do
+    python3 examples/train_gpt2.py --preset gpt2 --attention "$attention" ${TRAIN_ARGS:-} \
+      --out-dir "/tmp/train-$attention" 2>&1 | grep -v "it/s\|step/s" | tail -4
+    cp "/tmp/train-$attention/log.json" "$out/train-$attention.json"
+  done
+  python3 examples/compare_runs.py /tmp/train-jax_sdpa /tmp/train-jax-cudnn /tmp/train-xla \
+    --out "$out/comparison.png"
+fi
 if [ "${BENCH:-1}" = "1" ]; then
-  python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -45
+  python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tail -45
 fi
 exit "$status"

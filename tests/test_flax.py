@@ -102,3 +102,30 @@ def test_sow_weights_falls_back_to_flax_with_a_warning():
     weights = jax.tree.leaves(state["intermediates"])[0]
     assert weights.shape == (B, HEADS, T, T)
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["none", "padding"])
+def test_nnx_bf16_on_cudnn(mask_kind):
+    """On a GPU, a bf16 module's attention runs through our cuDNN custom calls."""
+    x, mask = inputs(7, jnp.bfloat16), masks(mask_kind)
+    features, heads = 256, 4  # head_dim 64
+    x = jnp.tile(x, (1, 1, features // FEATURES))
+
+    def build(attention_fn):
+        kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
+        return nnx.MultiHeadAttention(num_heads=heads, in_features=features, decode=False,
+                                      dtype=jnp.bfloat16, rngs=nnx.Rngs(8), **kwargs)
+    ours, theirs = build(jax_sdpa.flax.dot_product_attention), build(None)
+
+    def loss(module):
+        out = module(x, mask=mask, is_causal=True)
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+    graphdef, state = nnx.split(ours)
+    text = jax.jit(jax.grad(lambda state: loss(nnx.merge(graphdef, state))[0])).lower(
+        state).as_text()
+    assert "jax_sdpa_forward" in text and "jax_sdpa_backward" in text
+    (_, out_ours), g_ours = nnx.value_and_grad(loss, has_aux=True)(ours)
+    (_, out_theirs), g_theirs = nnx.value_and_grad(loss, has_aux=True)(theirs)
+    assert relative_error(out_ours, out_theirs) < 2e-2
+    assert_trees_close(nnx.state(g_ours), nnx.state(g_theirs), 5e-2)

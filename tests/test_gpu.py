@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa import _ffi
-from jax_sdpa.cudnn_path import cudnn_attention
+from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
 from conftest import random_qkv, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -100,7 +101,8 @@ def test_return_residual_is_the_log_sum_exp():
 def test_every_output_element_is_written():
     q, k, v, d_out = random_qkv(6, 2, 200, 136, 8, 4, 64, jnp.bfloat16)
     with _ffi.poison_outputs():
-        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, 0.125, True))
+        options = CudnnOptions(0.125, window_right=0)
+        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, None, None, None, options))
         (out, stats), vjp = jax.vjp(fn, q, k, v)
         grads = vjp((d_out, jnp.zeros_like(stats)))
     for name, x in zip(("output", "stats", "dq", "dk", "dv"), (out, stats, *grads)):
@@ -137,7 +139,8 @@ def test_cudnn_failure_is_an_exception_and_the_next_call_works():
     # The Python API refuses it first, so the custom_vjp is called directly.
     q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 60, jnp.float16)
     with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=60"):
-        jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(*a, 0.1, False))(q, k, v))
+        jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(
+            *a, None, None, None, CudnnOptions(0.1)))(q, k, v))
     q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
     out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
@@ -163,3 +166,106 @@ def test_import_order_in_a_fresh_process(order):
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok True" in result.stdout
+
+
+B, T, S, N, K, H = 2, 192, 256, 4, 2, 64
+
+
+def option_kwargs(option, rng):
+    """Keyword arguments of dot_product_attention for one named option combination."""
+    kwargs = {}
+    for part in option.split("+"):
+        if part.startswith("bias"):
+            shape = {"bias1NTS": (1, N, T, S), "biasBNTS": (B, N, T, S),
+                     "biasB1TS": (B, 1, T, S), "bias11TS": (1, 1, T, S),
+                     "biasB11S": (B, 1, 1, S)}[part]
+            kwargs["bias"] = jnp.asarray(rng.normal(size=shape), jnp.float32)
+        elif part == "mask":
+            mask = rng.random((B, 1, T, S)) > 0.5
+            mask[:, :, np.arange(T), np.arange(T)] = True  # every row sees a key
+            kwargs["mask"] = jnp.asarray(mask)
+        elif part == "maskB11S":
+            mask = np.ones((B, 1, 1, S), bool)
+            mask[1, ..., 100:] = False
+            kwargs["mask"] = jnp.asarray(mask)
+        elif part == "lengths":
+            kwargs["query_seq_lengths"] = jnp.array([T, 77], jnp.int32)
+            kwargs["key_value_seq_lengths"] = jnp.array([200, S], jnp.int32)
+        elif part == "kvlengths":
+            kwargs["key_value_seq_lengths"] = jnp.array([1, 130], jnp.int32)
+        elif part == "causal":
+            kwargs["is_causal"] = True
+        elif part.startswith("window"):
+            left, right = part[len("window"):].split("_")
+            kwargs["local_window_size"] = (int(left), int(right))
+    return kwargs
+
+
+def check_option(option, dtype=jnp.bfloat16, deterministic=False):
+    rng = np.random.default_rng(zlib.crc32(option.encode()))
+    q, k, v, d_out = random_qkv(len(option), B, T, S, N, K, H, dtype)
+    kwargs = option_kwargs(option, rng)
+    bias = kwargs.pop("bias", None)
+
+    def make(implementation, cast):
+        def fn(q, k, v, bias):
+            return jax_sdpa.dot_product_attention(
+                *(cast(x) for x in (q, k, v)), bias=bias, implementation=implementation,
+                deterministic=deterministic, **kwargs)
+        return jax.jit(fn)
+    args = (q, k, v, bias)
+    out, vjp = jax.vjp(make("cudnn", lambda x: x), *args)
+    ours = (out, *vjp(d_out))
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out_ref, vjp_ref = jax.vjp(make("xla", up), *args)
+    ref = (out_ref, *vjp_ref(d_out.astype(jnp.float32)))
+    names = ("output", "dq", "dk", "dv", "dbias")
+    for name, a, b in zip(names, ours, ref):
+        if a is None:
+            continue
+        tol = 1e-2 if name == "output" else 2e-2
+        error = relative_error(a, b)
+        assert error < tol, f"{option} {name}: relative error {error:.2e} >= {tol}"
+    return ours
+
+
+OPTIONS = ["bias1NTS", "biasBNTS", "biasB1TS", "bias11TS", "biasB11S", "bias1NTS+causal",
+           "mask", "maskB11S", "mask+causal", "lengths", "kvlengths", "lengths+causal",
+           "mask+lengths", "window32_0", "window32_0+causal", "window16_8", "window16_8+causal",
+           "window0_0", "bias1NTS+mask+lengths+window64_0"]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_options_on_cudnn(option):
+    check_option(option)
+
+
+@pytest.mark.parametrize("option", ["biasB1TS+causal", "lengths+causal"])
+def test_options_fp16(option):
+    check_option(option, dtype=jnp.float16)
+
+
+def test_vmap_with_a_shared_bias():
+    """vmap over q/k/v with one bias for the whole batch: the repeated-execution path."""
+    q, k, v, d_out = (jnp.stack([x, -x, 2 * x]) for x in random_qkv(11, B, T, S, N, K, H,
+                                                                     jnp.bfloat16))
+    bias = jax.random.normal(jax.random.key(12), (1, N, T, S))
+
+    def make(implementation, cast):
+        def fn(q, k, v, bias):
+            return jax.vmap(lambda q, k, v: jax_sdpa.dot_product_attention(
+                cast(q), cast(k), cast(v), bias=bias, is_causal=True,
+                implementation=implementation))(q, k, v)
+        return jax.jit(fn)
+    out, vjp = jax.vjp(make("cudnn", lambda x: x), q, k, v, bias)
+    out_ref, vjp_ref = jax.vjp(make("xla", lambda x: x.astype(jnp.float32)), q, k, v, bias)
+    ours, ref = (out, *vjp(d_out)), (out_ref, *vjp_ref(d_out.astype(jnp.float32)))
+    for name, a, b in zip(("output", "dq", "dk", "dv", "dbias"), ours, ref):
+        assert relative_error(a, b) < (1e-2 if name == "output" else 2e-2), name
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    first = check_option("bias1NTS+causal", deterministic=True)
+    second = check_option("bias1NTS+causal", deterministic=True)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from jax_sdpa import _ffi
-from jax_sdpa.cudnn_path import cudnn_attention
+import jax_sdpa
+from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
 
 
 def test_extension_loads_and_reports_cudnn():
@@ -24,7 +25,7 @@ def custom_calls(fn, *args):
 
 
 def loss(q, k, v):
-    output, _ = cudnn_attention(q, k, v, 0.125, True)
+    output, _ = cudnn_attention(q, k, v, None, None, None, CudnnOptions(0.125, window_right=0))
     return output.astype(jnp.float32).sum()
 
 
@@ -42,3 +43,34 @@ def test_lowers_to_our_targets(transform):
     expected = {_ffi.FORWARD_TARGET} if transform == "plain" else {
         _ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
     assert expected <= custom_calls(fn, *args)
+
+
+@pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "everything"])
+def test_options_lower_to_our_targets(option, monkeypatch):
+    """Every option reaches our custom calls; dbias only where the user's bias needs it."""
+    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    b, t, s, n, h = 2, 64, 48, 4, 64
+    q = jnp.zeros((b, t, n, h), jnp.float16)
+    kv = jnp.zeros((b, s, 2, h), jnp.float16)
+    kwargs = {}
+    if option in ("bias", "everything"):
+        kwargs["bias"] = jnp.zeros((1, n, t, s), jnp.float32)
+    if option in ("mask", "everything"):
+        kwargs["mask"] = jnp.ones((b, 1, 1, s), bool)
+    if option in ("lengths", "everything"):
+        kwargs["query_seq_lengths"] = jnp.array([t, 5], jnp.int32)
+    if option in ("window", "everything"):
+        kwargs["local_window_size"] = (8, 0)
+
+    def grad_loss(q, kv, bias=None):
+        extra = dict(kwargs, bias=bias) if bias is not None else kwargs
+        out = jax_sdpa.dot_product_attention(q, kv, kv, implementation="cudnn", **extra)
+        return out.astype(jnp.float32).sum()
+    argnums = (0, 1, 2) if "bias" in kwargs else (0, 1)
+    args = (q, kv, kwargs["bias"]) if "bias" in kwargs else (q, kv)
+    text = jax.jit(jax.grad(grad_loss, argnums=argnums)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "cudnn$fmha" not in text
+    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    backward = [line for line in text.splitlines() if _ffi.BACKWARD_TARGET in line][0]
+    assert ("bias_grad = true" in backward) == ("bias" in kwargs)
