@@ -2,8 +2,10 @@
 
 It runs on any backend (CPU, TPU, GPU), serves every call cuDNN cannot take, and is the
 float32 oracle of the GPU tests. Its masking follows jax.nn.dot_product_attention: masked
-scores are filled with a large negative number (not -inf), and the rows of query positions past
-`query_seq_lengths` are zeroed.
+scores are filled with a large negative number (not -inf), so a row that a mask hides entirely
+averages all values uniformly; the rows of query positions past `query_seq_lengths`, and every
+row of a batch entry whose `key_value_seq_lengths` is 0, are zeroed (as cuDNN does; jax.nn's XLA
+path would average there too).
 """
 
 from __future__ import annotations
@@ -79,4 +81,6 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     if query_seq_lengths is not None:
         valid = jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None]
         out = out * valid[:, :, None, None]
+    if key_value_seq_lengths is not None:
+        out = out * (key_value_seq_lengths > 0)[:, None, None, None]
     return out.astype(query.dtype), lse

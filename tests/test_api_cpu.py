@@ -130,3 +130,10 @@ def test_default_falls_back_with_one_warning():
         jax_sdpa.dot_product_attention(q, k, v)
     messages = [str(w.message) for w in caught if "jax_sdpa" in str(w.message)]
     assert len(messages) == 1 and "reference path" in messages[0]
+
+
+def test_rows_without_keys_are_zero_for_a_zero_kv_length():
+    q, k, v, _ = random_qkv(8, 2, 6, 6, 2, 2, 8, jnp.float32)
+    out = ours(q, k, v, key_value_seq_lengths=jnp.array([0, 6], jnp.int32))
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_allclose(out[1], theirs(q, k, v)[1], rtol=1e-5, atol=1e-6)

@@ -121,13 +121,14 @@ def test_compiled_hlo_calls_our_targets_only():
 
 
 def test_no_graph_rebuild_after_first_call():
-    q, k, v, d_out = random_qkv(8, 3, 320, 320, 6, 3, 64, jnp.float16)
+    """fwd+bwd at the seed's size: after the first call every call is a graph-cache hit."""
+    q, k, v, d_out = random_qkv(8, 4, 1024, 1024, 12, 12, 64, jnp.float16)
     step = jax.jit(lambda q, k, v, d: jax.vjp(lambda *a: jax_sdpa.dot_product_attention(
         *a, is_causal=True, implementation="cudnn"), q, k, v)[1](d))
     jax.block_until_ready(step(q, k, v, d_out))
     before = jax_sdpa.graph_cache_stats()
     for seed in range(3):
-        q2, k2, v2, d2 = random_qkv(100 + seed, 3, 320, 320, 6, 3, 64, jnp.float16)
+        q2, k2, v2, d2 = random_qkv(100 + seed, 4, 1024, 1024, 12, 12, 64, jnp.float16)
         jax.block_until_ready(step(q2, k2, v2, d2))
     after = jax_sdpa.graph_cache_stats()
     assert after["builds"] == before["builds"], (before, after)
@@ -193,6 +194,8 @@ def option_kwargs(option, rng):
             kwargs["key_value_seq_lengths"] = jnp.array([200, S], jnp.int32)
         elif part == "kvlengths":
             kwargs["key_value_seq_lengths"] = jnp.array([1, 130], jnp.int32)
+        elif part == "kvzero":  # batch entry 0 has no keys: its rows are zeros on both paths
+            kwargs["key_value_seq_lengths"] = jnp.array([0, 130], jnp.int32)
         elif part == "causal":
             kwargs["is_causal"] = True
         elif part.startswith("window"):
@@ -230,7 +233,7 @@ def check_option(option, dtype=jnp.bfloat16, deterministic=False):
 
 
 OPTIONS = ["bias1NTS", "biasBNTS", "biasB1TS", "bias11TS", "biasB11S", "bias1NTS+causal",
-           "mask", "maskB11S", "mask+causal", "lengths", "kvlengths", "lengths+causal",
+           "mask", "maskB11S", "mask+causal", "lengths", "kvlengths", "kvzero", "lengths+causal",
            "mask+lengths", "window32_0", "window32_0+causal", "window16_8", "window16_8+causal",
            "window0_0", "bias1NTS+mask+lengths+window64_0"]
 
