@@ -51,7 +51,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     preset = args.preset or ("gpt2" if jax.default_backend() == "gpu" else "cpu")
     settings = dict(PRESETS[preset], preset=preset)
-    settings.update({k: v for k, v in vars(args).items() if v is not None and k != "preset"})
+    # Flags given on the command line override the preset; the others keep the preset's value.
+    settings.update({k: v for k, v in vars(args).items()
+                     if k != "preset" and (v is not None or k not in settings)})
     return argparse.Namespace(**settings)
 
 
