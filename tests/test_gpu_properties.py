@@ -49,6 +49,8 @@ def problems(draw):
         kwargs["key_value_seq_lengths"] = rng.integers(1, s + 1, size=b).astype(np.int32)
     if t <= s and draw(st.booleans()):  # t <= s: every row's window holds its diagonal key
         kwargs["local_window_size"] = (draw(st.integers(0, 300)), draw(st.integers(0, 300)))
+        if "key_value_seq_lengths" in kwargs:  # ... and that key stays within the length
+            kwargs["key_value_seq_lengths"] = np.maximum(kwargs["key_value_seq_lengths"], t)
     return [x.astype(dtype) for x in (q, k, v, d_out)], kwargs
 
 
