@@ -22,7 +22,7 @@ def _large_negative() -> float:
     return -0.7 * float(np.finfo(np.float32).max)
 
 
-def combined_mask(batch, q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
+def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None):
     """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks."""
     parts = []
@@ -65,7 +65,7 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     logits = logits.reshape(batch, q_heads, q_seq_len, kv_seq_len) * jnp.float32(scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    keep = combined_mask(batch, q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
+    keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
                          local_window_size=local_window_size)

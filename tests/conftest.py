@@ -1,6 +1,6 @@
 import os
 
-# Tests of multi-device code paths run on CPU with several host devices; harmless elsewhere.
+# On a GPU machine, tests share the card with subprocesses they start: no preallocation.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
