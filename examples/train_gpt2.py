@@ -8,7 +8,6 @@ Writes <out-dir>/log.json (config, losses, tokens/s) and <out-dir>/loss.png.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -17,7 +16,6 @@ import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 
-from jax_sdpa import cudnn_support
-from jax_sdpa import cudnn_path
+from jax_sdpa import cudnn_path, cudnn_support
+from jax_sdpa._warnings import warn_once
 from jax_sdpa.reference import attention_reference
 from jax_sdpa.validation import validate
-
-_warned_reasons: set[str] = set()
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned_reasons:
-        _warned_reasons.add(reason)
-        warnings.warn(f"jax_sdpa: using the XLA reference path because {reason}",
-                      RuntimeWarning, stacklevel=3)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -59,7 +48,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         elif implementation == "cudnn":
             raise NotImplementedError(f"implementation='cudnn' cannot run this call: {reason}")
         else:
-            _warn_once(reason)
+            warn_once(f"jax_sdpa: using the XLA reference path because {reason}")
     if use_cudnn:
         output, lse = cudnn_path.run(call, deterministic=bool(deterministic))
     else:

@@ -11,14 +11,11 @@ custom einsums) runs through Flax's own attention, with a one-time warning namin
 
 from __future__ import annotations
 
-import warnings
-
 import jax.numpy as jnp
 from flax import linen
 
 from jax_sdpa import attention as _attention
-
-_warned: set[str] = set()
+from jax_sdpa._warnings import warn_once
 
 
 def _fold_leading(array, batch_shape):
@@ -55,10 +52,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     reason = _flax_fallback_reason(module, dropout_rate, deterministic, qk_attn_weights_einsum,
                                    attn_weights_value_einsum, einsum_dot_general)
     if reason is not None:
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"jax_sdpa.flax: using Flax's attention because {reason}",
-                          RuntimeWarning, stacklevel=2)
+        warn_once(f"jax_sdpa.flax: using Flax's attention because {reason}")
         if is_causal:
             causal = linen.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)
             mask = causal if mask is None else jnp.logical_and(mask, causal)

@@ -46,3 +46,14 @@ def relative_error(actual, expected):
     if reference <= 1e-6 * np.sqrt(expected.size):
         return float(difference / np.sqrt(expected.size))
     return float(difference / reference)
+
+
+def assert_close_to_reference(ours, ref, context="", out_tol=1e-2, grad_tol=2e-2):
+    """(output, dq, dk, dv[, dbias]) against the float32 reference's, by relative error norm;
+    a None entry (no bias) is skipped."""
+    for name, a, b in zip(("output", "dq", "dk", "dv", "dbias"), ours, ref):
+        if a is None:
+            continue
+        tol = out_tol if name == "output" else grad_tol
+        error = relative_error(a, b)
+        assert error < tol, f"{context} {name}: relative error {error:.2e} >= {tol}".strip()

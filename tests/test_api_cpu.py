@@ -122,7 +122,7 @@ def test_cudnn_without_gpu_is_a_clear_error():
 def test_default_falls_back_with_one_warning():
     if jax_sdpa.cudnn_support.device_reason() is None:
         pytest.skip("a GPU is present")
-    jax_sdpa.attention._warned_reasons.clear()
+    jax_sdpa._warnings.reset()
     q, k, v, _ = random_qkv(7, 1, 8, 8, 2, 2, 16, jnp.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -97,7 +97,7 @@ def test_sow_weights_falls_back_to_flax_with_a_warning():
     module = linen.MultiHeadDotProductAttention(
         num_heads=HEADS, deterministic=True, attention_fn=jax_sdpa.flax.dot_product_attention)
     params = module.init(jax.random.key(6), x)
-    jax_sdpa.flax._warned.clear()
+    jax_sdpa._warnings.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, state = module.apply(params, x, sow_weights=True, mutable=["intermediates"])

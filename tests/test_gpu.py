@@ -14,7 +14,7 @@ import pytest
 import jax_sdpa
 from jax_sdpa import _ffi
 from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
-from conftest import random_qkv, relative_error
+from conftest import assert_close_to_reference, random_qkv, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -34,14 +34,6 @@ def reference_vjp(q, k, v, d_out, vmapped=False, **kwargs):
     upcast = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
     out, vjp = jax.vjp(jax.jit(fn), *upcast[:3])
     return (out, *vjp(upcast[3]))
-
-
-def assert_close_to_reference(ours, ref, out_tol=1e-2, grad_tol=2e-2):
-    names = ("output", "dq", "dk", "dv")
-    for name, a, b in zip(names, ours, ref):
-        tol = out_tol if name == "output" else grad_tol
-        error = relative_error(a, b)
-        assert error < tol, f"{name}: relative error {error:.2e} >= {tol}"
 
 
 def test_seed_case_at_seed_tolerances():
@@ -222,13 +214,7 @@ def check_option(option, dtype=jnp.bfloat16, deterministic=False):
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     out_ref, vjp_ref = jax.vjp(make("xla", up), *args)
     ref = (out_ref, *vjp_ref(d_out.astype(jnp.float32)))
-    names = ("output", "dq", "dk", "dv", "dbias")
-    for name, a, b in zip(names, ours, ref):
-        if a is None:
-            continue
-        tol = 1e-2 if name == "output" else 2e-2
-        error = relative_error(a, b)
-        assert error < tol, f"{option} {name}: relative error {error:.2e} >= {tol}"
+    assert_close_to_reference(ours, ref, context=option)
     return ours
 
 
@@ -263,8 +249,7 @@ def test_vmap_with_a_shared_bias():
     out, vjp = jax.vjp(make("cudnn", lambda x: x), q, k, v, bias)
     out_ref, vjp_ref = jax.vjp(make("xla", lambda x: x.astype(jnp.float32)), q, k, v, bias)
     ours, ref = (out, *vjp(d_out)), (out_ref, *vjp_ref(d_out.astype(jnp.float32)))
-    for name, a, b in zip(("output", "dq", "dk", "dv", "dbias"), ours, ref):
-        assert relative_error(a, b) < (1e-2 if name == "output" else 2e-2), name
+    assert_close_to_reference(ours, ref, context="vmap with a shared bias")
 
 
 def test_deterministic_backward_is_bitwise_reproducible():

@@ -4,7 +4,6 @@ jax_sdpa's code. The same function on a GPU routes these calls to cuDNN; tests/t
 cuDNN against the reference."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
