@@ -1,22 +1,60 @@
 #include "graph_cache.h"
 
+#include <cstdlib>
+#include <string>
+
 namespace jax_sdpa {
+namespace {
+
+constexpr int64_t kDefaultCapacity = 256;
+
+int64_t CapacityFromEnvironment() {
+  const char* text = std::getenv("JAX_SDPA_GRAPH_CACHE_SIZE");
+  if (text == nullptr || *text == '\0') return kDefaultCapacity;
+  char* end = nullptr;
+  long long value = std::strtoll(text, &end, 10);
+  // Python checks the variable at import and names it in its error; this only guards the rest.
+  return (end != nullptr && *end == '\0' && value >= 1) ? value : kDefaultCapacity;
+}
+
+// An event marking the work queued on `stream` so far, or nullptr if CUDA refused one.
+cudaEvent_t RecordedEvent(cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+  if (cudaEventRecord(event, stream) != cudaSuccess) {
+    cudaEventDestroy(event);
+    return nullptr;
+  }
+  return event;
+}
+
+}  // namespace
 
 GraphCache& GraphCache::Global() {
   // Never destroyed: graphs hold cuDNN objects that must not be freed after CUDA shuts down.
-  static auto* cache = new GraphCache();
+  static auto* cache = new GraphCache(CapacityFromEnvironment());
   return *cache;
 }
 
 ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
-                                  std::shared_ptr<SdpaGraph>* graph) {
+                                  cudaStream_t stream, std::shared_ptr<SdpaGraph>* graph) {
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    auto& slot = entries_[config];
-    if (!slot) slot = std::make_shared<Entry>();
-    entry = slot;
+    auto found = entries_.find(config);
+    if (found != entries_.end()) {
+      entry = found->second;
+      recency_.splice(recency_.begin(), recency_, entry->recency);
+    } else {
+      entry = std::make_shared<Entry>();
+      recency_.push_front(config);
+      entry->recency = recency_.begin();
+      entries_.emplace(config, entry);
+      while (static_cast<int64_t>(entries_.size()) > capacity_) EvictLeastRecentLocked();
+      SweepRetiredLocked(config.device, stream);
+    }
   }
+  // The entry is ours even if it is evicted meanwhile: the shared_ptr keeps it alive.
   std::lock_guard<std::mutex> build_guard(entry->build_mutex);
   if (entry->graph) {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -27,17 +65,48 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
     std::lock_guard<std::mutex> guard(mutex_);
     ++stats_.builds;
   }
-  *graph = entry->graph;  // shared: an entry may leave the cache while in use
+  *graph = entry->graph;
   return ffi::Error::Success();
+}
+
+void GraphCache::EvictLeastRecentLocked() {
+  auto found = entries_.find(recency_.back());
+  recency_.pop_back();
+  std::shared_ptr<Entry> entry = found->second;
+  entries_.erase(found);
+  ++stats_.evictions;
+  // A build in progress on another thread keeps its entry alive and drops it when done.
+  std::unique_lock<std::mutex> build_lock(entry->build_mutex, std::try_to_lock);
+  if (build_lock.owns_lock() && entry->graph) {
+    retired_.push_back(Retired{std::move(entry->graph), nullptr});
+  }
+}
+
+void GraphCache::SweepRetiredLocked(int32_t device, cudaStream_t stream) {
+  std::vector<Retired> kept;
+  for (Retired& retired : retired_) {
+    if (retired.queued_work_done == nullptr) {
+      if (retired.graph->config().device == device) {
+        retired.queued_work_done = RecordedEvent(stream);  // nullptr on failure: try next time
+      }
+    } else if (cudaEventQuery(retired.queued_work_done) == cudaSuccess) {
+      cudaEventDestroy(retired.queued_work_done);
+      continue;  // the graph and its cuDNN plans are freed here
+    }
+    kept.push_back(std::move(retired));
+  }
+  retired_.swap(kept);
 }
 
 GraphCacheStats GraphCache::stats() {
   std::lock_guard<std::mutex> guard(mutex_);
   GraphCacheStats result = stats_;
+  result.capacity = capacity_;
   result.entries = 0;
   for (const auto& [config, entry] : entries_) {
     if (entry->graph) ++result.entries;  // entries whose build failed hold no graph
   }
+  result.retired = static_cast<int64_t>(retired_.size());
   return result;
 }
 

@@ -1,13 +1,17 @@
-// Thread-safe cache of built SDPA graphs, one per (device, config): no graph is built twice, and
-// a build for one config never blocks lookups of others.
+// Thread-safe, bounded cache of built SDPA graphs, one per (device, config): no graph is built
+// twice while it is cached, a build for one config never blocks lookups of others, and the least
+// recently used graph leaves when the cache is full (JAX_SDPA_GRAPH_CACHE_SIZE, default 256).
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <cudnn.h>
 
 #include <cstdint>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "check.h"
 #include "sdpa_config.h"
@@ -16,29 +20,50 @@
 namespace jax_sdpa {
 
 struct GraphCacheStats {
-  int64_t entries = 0;
-  int64_t builds = 0;  // successful graph builds since the process started
+  int64_t entries = 0;    // graphs held now
+  int64_t capacity = 0;   // most graphs held at once
+  int64_t builds = 0;     // successful graph builds since the process started
   int64_t hits = 0;
+  int64_t evictions = 0;  // graphs that left to make room
+  int64_t retired = 0;    // evicted graphs still waiting for work queued with them to finish
 };
 
 class GraphCache {
  public:
   static GraphCache& Global();
 
-  // Returns the graph for `config`, building it with `handle` (locked by the caller) if needed.
-  ffi::Error GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
+  // Returns the graph for `config`, building it with `handle` (locked by the caller, bound to
+  // `stream`) if needed.
+  ffi::Error GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle, cudaStream_t stream,
                         std::shared_ptr<SdpaGraph>* graph);
 
   GraphCacheStats stats();
 
  private:
+  explicit GraphCache(int64_t capacity) : capacity_(capacity) {}
+
   struct Entry {
     std::mutex build_mutex;
     std::shared_ptr<SdpaGraph> graph;
+    std::list<SdpaConfig>::iterator recency;  // position in recency_ (front: most recent)
+  };
+  // An evicted graph is freed only once the work queued with it has run: a kernel in flight must
+  // not outlive its plan. The event is recorded by the next call on the graph's own device (the
+  // caller holds that device's handle lock, so no other call on it is enqueueing meanwhile).
+  struct Retired {
+    std::shared_ptr<SdpaGraph> graph;
+    cudaEvent_t queued_work_done = nullptr;
   };
 
+  void EvictLeastRecentLocked();
+  // Frees retired graphs whose work has run; records events for those of `device`.
+  void SweepRetiredLocked(int32_t device, cudaStream_t stream);
+
+  const int64_t capacity_;
   std::mutex mutex_;
   std::unordered_map<SdpaConfig, std::shared_ptr<Entry>, SdpaConfigHash> entries_;
+  std::list<SdpaConfig> recency_;
+  std::vector<Retired> retired_;
   GraphCacheStats stats_;
 };
 

@@ -32,8 +32,11 @@ NB_MODULE(_sdpa_ffi, m) {
     jax_sdpa::GraphCacheStats stats = jax_sdpa::GraphCache::Global().stats();
     nb::dict result;
     result["entries"] = stats.entries;
+    result["capacity"] = stats.capacity;
     result["builds"] = stats.builds;
     result["hits"] = stats.hits;
+    result["evictions"] = stats.evictions;
+    result["retired"] = stats.retired;
     return result;
   });
 }

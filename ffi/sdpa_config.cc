@@ -8,19 +8,20 @@
 namespace jax_sdpa {
 namespace {
 
-int32_t ScaleBits(float scale) {
+int32_t FloatBits(float value) {
   int32_t bits;
-  std::memcpy(&bits, &scale, sizeof(bits));
+  std::memcpy(&bits, &value, sizeof(bits));
   return bits;
 }
 
-// Every field, the scale by its bits: two scales that print alike must not share a graph.
+// Every field, floats by their bits: two scales that print alike must not share a graph.
 auto Fields(const SdpaConfig& c) {
   return std::make_tuple(static_cast<int32_t>(c.direction), c.device,
                          static_cast<int32_t>(c.element_type), c.batch, c.q_seq_len,
-                         c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, ScaleBits(c.scale),
-                         c.window_left, c.window_right, c.padding, c.bias_batch, c.bias_heads,
-                         c.bias_grad, c.deterministic);
+                         c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
+                         FloatBits(c.scale), c.window_left, c.window_right, c.bottom_right,
+                         c.padding, c.bias_batch, c.bias_heads, c.bias_grad, c.deterministic,
+                         FloatBits(c.dropout), c.dump_dropout_mask);
 }
 
 }  // namespace
@@ -36,13 +37,15 @@ std::string SdpaConfig::ToString() const {
       << ", dtype=" << (element_type == ElementType::kFloat16 ? "float16" : "bfloat16")
       << ", batch=" << batch << ", q_seq_len=" << q_seq_len << ", kv_seq_len=" << kv_seq_len
       << ", q_heads=" << q_heads << ", kv_heads=" << kv_heads << ", head_dim=" << head_dim
-      << ", scale=" << scale << ", window_left=" << window_left
-      << ", window_right=" << window_right << ", padding=" << padding;
+      << ", head_dim_v=" << head_dim_v << ", scale=" << scale << ", window_left=" << window_left
+      << ", window_right=" << window_right
+      << ", alignment=" << (bottom_right ? "bottom_right" : "top_left") << ", padding=" << padding;
   if (bias_batch > 0) {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "
         << kv_seq_len << "]" << (bias_grad ? " with dbias" : "");
   }
   if (deterministic) out << ", deterministic";
+  if (dropout > 0) out << ", dropout=" << dropout << (dump_dropout_mask ? " (mask dumped)" : "");
   out << "}";
   return out.str();
 }

@@ -22,17 +22,24 @@ struct SdpaConfig {
   int64_t kv_seq_len = 0;
   int64_t q_heads = 0;
   int64_t kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // of queries and keys
+  int64_t head_dim_v = 0;  // of values and the output (may differ from head_dim)
   float scale = 1.0f;
-  // Diagonal band, aligned top-left: query i sees keys j with i - window_left < j (cuDNN's
-  // exclusive left bound) and j <= i + window_right. -1: no bound. Causal is window_right = 0.
+  // Diagonal band: query i sees keys j with i + shift - window_left < j (cuDNN's exclusive left
+  // bound) and j <= i + shift + window_right, where shift is 0 aligned top-left and
+  // kv_seq_len - q_seq_len aligned bottom-right. -1: no bound. Causal is window_right = 0.
   int64_t window_left = -1;
   int64_t window_right = -1;
+  bool bottom_right = false;
   bool padding = false;     // int32 [batch] actual lengths of queries and keys/values
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias
   bool deterministic = false;  // backward: cuDNN's deterministic algorithm
+  // Attention dropout: the probability of dropping a weight; > 0 adds Philox seed and offset
+  // operands (int64 scalars on the device), so the backward drops what the forward dropped.
+  float dropout = 0.0f;
+  bool dump_dropout_mask = false;  // forward, tests only: also write the keep mask [B, N, T, S]
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

@@ -25,6 +25,9 @@ enum TensorUid : int64_t {
   kDBias,
   kQLengths,
   kKvLengths,
+  kDropoutSeed,
+  kDropoutOffset,
+  kDropoutMask,
 };
 
 fe::DataType_t FrontendType(ElementType type) {
@@ -47,24 +50,27 @@ std::vector<int64_t> StatsStrides(const SdpaConfig& c) {
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
+// Which [batch, seq, heads, dim] tensor: query-side (Q, O, dO, dQ) or key-side, and its dim.
+struct BshdShape {
+  int64_t heads, seq, dim;
+};
+BshdShape QuerySide(const SdpaConfig& c, int64_t dim) { return {c.q_heads, c.q_seq_len, dim}; }
+BshdShape KeySide(const SdpaConfig& c, int64_t dim) { return {c.kv_heads, c.kv_seq_len, dim}; }
+
 TensorPtr AddBshdTensor(fe::graph::Graph& graph, const char* name, int64_t uid,
-                        const SdpaConfig& c, bool is_query_side) {
-  int64_t heads = is_query_side ? c.q_heads : c.kv_heads;
-  int64_t seq = is_query_side ? c.q_seq_len : c.kv_seq_len;
+                        const SdpaConfig& c, BshdShape shape) {
   return graph.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
                           .set_uid(uid)
-                          .set_dim(BhsdDims(c.batch, heads, seq, c.head_dim))
-                          .set_stride(BshdStrides(heads, seq, c.head_dim)));
+                          .set_dim(BhsdDims(c.batch, shape.heads, shape.seq, shape.dim))
+                          .set_stride(BshdStrides(shape.heads, shape.seq, shape.dim)));
 }
 
-void SetBshdOutput(const TensorPtr& tensor, int64_t uid, const SdpaConfig& c, bool is_query_side) {
-  int64_t heads = is_query_side ? c.q_heads : c.kv_heads;
-  int64_t seq = is_query_side ? c.q_seq_len : c.kv_seq_len;
+void SetBshdOutput(const TensorPtr& tensor, int64_t uid, const SdpaConfig& c, BshdShape shape) {
   tensor->set_output(true)
       .set_uid(uid)
-      .set_dim(BhsdDims(c.batch, heads, seq, c.head_dim))
-      .set_stride(BshdStrides(heads, seq, c.head_dim));
+      .set_dim(BhsdDims(c.batch, shape.heads, shape.seq, shape.dim))
+      .set_stride(BshdStrides(shape.heads, shape.seq, shape.dim));
 }
 
 std::shared_ptr<fe::graph::Graph> NewGraph(const SdpaConfig& c) {
@@ -94,11 +100,22 @@ TensorPtr AddLengths(fe::graph::Graph& graph, const SdpaConfig& c, const char* n
                           .set_data_type(fe::DataType_t::INT32));
 }
 
-// The masking and bias options common to SDPA_attributes and SDPA_backward_attributes.
+TensorPtr AddInt64Scalar(fe::graph::Graph& graph, const char* name, int64_t uid) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({1, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT64));
+}
+
+// The masking, bias and dropout options common to SDPA_attributes and
+// SDPA_backward_attributes.
 template <typename Options>
 void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) {
   if (c.window_right >= 0 || c.window_left >= 0) {
-    options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+    options.set_diagonal_alignment(c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                                  : fe::DiagonalAlignment_t::TOP_LEFT);
   }
   if (c.window_right >= 0) options.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
   if (c.window_left >= 0) options.set_diagonal_band_left_bound(static_cast<int>(c.window_left));
@@ -108,20 +125,34 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) 
         .set_seq_len_kv(AddLengths(graph, c, "kv_lengths", kKvLengths));
   }
   if (c.bias_batch > 0) options.set_bias(AddBias(graph, c, "bias", kBias));
+  if (c.dropout > 0) {
+    options.set_dropout(c.dropout, AddInt64Scalar(graph, "dropout_seed", kDropoutSeed),
+                        AddInt64Scalar(graph, "dropout_offset", kDropoutOffset));
+  }
 }
 
 std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
   auto graph = NewGraph(c);
-  auto q = AddBshdTensor(*graph, "Q", kQ, c, true);
-  auto k = AddBshdTensor(*graph, "K", kK, c, false);
-  auto v = AddBshdTensor(*graph, "V", kV, c, false);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim));
+  auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim));
+  auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v));
   auto options = fe::graph::SDPA_attributes()
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(c.scale);
   SetMasking(*graph, c, options);
+  if (c.dropout > 0 && c.dump_dropout_mask) {
+    options.set_rng_dump(graph->tensor(
+        fe::graph::Tensor_attributes()
+            .set_name("dropout_mask")
+            .set_uid(kDropoutMask)
+            .set_dim({c.batch, c.q_heads, c.q_seq_len, c.kv_seq_len})
+            .set_stride({c.q_heads * c.q_seq_len * c.kv_seq_len, c.q_seq_len * c.kv_seq_len,
+                         c.kv_seq_len, 1})
+            .set_data_type(fe::DataType_t::FLOAT)));
+  }
   auto [o, stats] = graph->sdpa(q, k, v, options);
-  SetBshdOutput(o, kO, c, true);
+  SetBshdOutput(o, kO, c, QuerySide(c, c.head_dim_v));
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
@@ -132,11 +163,11 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
 
 std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
   auto graph = NewGraph(c);
-  auto q = AddBshdTensor(*graph, "Q", kQ, c, true);
-  auto k = AddBshdTensor(*graph, "K", kK, c, false);
-  auto v = AddBshdTensor(*graph, "V", kV, c, false);
-  auto o = AddBshdTensor(*graph, "O", kO, c, true);
-  auto d_o = AddBshdTensor(*graph, "dO", kDO, c, true);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim));
+  auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim));
+  auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v));
+  auto o = AddBshdTensor(*graph, "O", kO, c, QuerySide(c, c.head_dim_v));
+  auto d_o = AddBshdTensor(*graph, "dO", kDO, c, QuerySide(c, c.head_dim_v));
   auto stats = graph->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
@@ -154,9 +185,9 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
     options.set_dbias(dbias);
   }
   auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, stats, options);
-  SetBshdOutput(dq, kDQ, c, true);
-  SetBshdOutput(dk, kDK, c, false);
-  SetBshdOutput(dv, kDV, c, false);
+  SetBshdOutput(dq, kDQ, c, QuerySide(c, c.head_dim));
+  SetBshdOutput(dk, kDK, c, KeySide(c, c.head_dim));
+  SetBshdOutput(dv, kDV, c, KeySide(c, c.head_dim_v));
   return graph;
 }
 
@@ -174,6 +205,10 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
   if (c.padding) {
     pack[kQLengths] = const_cast<void*>(in.q_lengths);
     pack[kKvLengths] = const_cast<void*>(in.kv_lengths);
+  }
+  if (c.dropout > 0) {
+    pack[kDropoutSeed] = const_cast<void*>(in.dropout_seed);
+    pack[kDropoutOffset] = static_cast<char*>(const_cast<void*>(in.dropout_seed)) + 8;
   }
 }
 
@@ -222,6 +257,7 @@ ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers&
                                      void* workspace) {
   std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
   AddInputs(config_, b.in, pack);
+  if (config_.dropout > 0 && config_.dump_dropout_mask) pack[kDropoutMask] = b.dropout_mask;
   fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
   if (status.is_bad()) return FrontendError(status, "execute", config_);
   return ffi::Error::Success();

@@ -12,8 +12,9 @@
 
 namespace jax_sdpa {
 
-// Inputs shared by both directions; bias and the int32 [batch] lengths only where the config
-// has them (nullptr otherwise).
+// Inputs shared by both directions; bias, the int32 [batch] lengths and the dropout seed only
+// where the config has them (nullptr otherwise). dropout_seed holds two int64: Philox seed, then
+// offset.
 struct AttentionInputs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -21,6 +22,7 @@ struct AttentionInputs {
   const void* bias = nullptr;
   const void* q_lengths = nullptr;
   const void* kv_lengths = nullptr;
+  const void* dropout_seed = nullptr;
 };
 
 // Forward: o and stats (float32 log-sum-exp, [batch, q_heads, q_seq]) out.
@@ -28,6 +30,7 @@ struct ForwardBuffers {
   AttentionInputs in;
   void* o = nullptr;
   void* stats = nullptr;
+  void* dropout_mask = nullptr;  // float32 [batch, q_heads, q_seq, kv_seq] if dump_dropout_mask
 };
 
 // Backward: the forward's output and stats, and dO in; dq, dk, dv (and dbias) out.

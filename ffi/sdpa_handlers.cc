@@ -20,10 +20,13 @@ struct Options {
   float scale;
   int64_t window_left;
   int64_t window_right;
+  bool bottom_right;
   bool has_bias;
   bool has_lengths;
   bool bias_grad;
   bool deterministic;
+  float dropout;
+  bool dump_dropout_mask;
   bool poison_outputs;
 };
 
@@ -57,16 +60,21 @@ struct CallPlan {
   int64_t repeats = 1;
 };
 
+// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [dropout_seed].
+struct OptionalInputs {
+  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, dropout_seed;
+};
+
 ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const ffi::AnyBuffer* bias,
-                    const ffi::AnyBuffer* q_lengths, const ffi::AnyBuffer* kv_lengths,
-                    const Options& options, CallPlan* plan) {
+                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                    const OptionalInputs& optional, const Options& options, CallPlan* plan) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
+  auto vd = v.dimensions();
   size_t rank = qd.size();
-  if (rank < 4 || kd.size() != rank || v.dimensions().size() != rank) {
+  if (rank < 4 || kd.size() != rank || vd.size() != rank) {
     return BadArgument("query, key and value must share one rank >= 4, got " + DimsToString(qd) +
-                       ", " + DimsToString(kd) + ", " + DimsToString(v.dimensions()));
+                       ", " + DimsToString(kd) + ", " + DimsToString(vd));
   }
   int64_t vmapped = 1;  // product of the leading (vmap) axes
   for (size_t i = 0; i + 4 < rank; ++i) {
@@ -81,26 +89,28 @@ ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q
   ElementType k_type, v_type;
   JAX_SDPA_RETURN_IF_ERROR(ReadElementType(k, "key", &k_type));
   JAX_SDPA_RETURN_IF_ERROR(ReadElementType(v, "value", &v_type));
-  bool same_kv = true;
-  for (size_t i = 0; i < rank; ++i) same_kv &= kd[i] == v.dimensions()[i];
+  bool same_kv = true;  // key and value agree on every axis but head_dim
+  for (size_t i = 0; i + 1 < rank; ++i) same_kv &= kd[i] == vd[i];
   if (k_type != c.element_type || v_type != c.element_type || !same_kv ||
       kd[rank - 4] != batch || kd[rank - 1] != qd[rank - 1] || kd[rank - 2] == 0 ||
       qd[rank - 2] % kd[rank - 2] != 0) {
     return BadArgument("query " + DimsToString(qd) + ", key " + DimsToString(kd) + " and value " +
-                       DimsToString(v.dimensions()) + " do not form one attention problem");
+                       DimsToString(vd) + " do not form one attention problem");
   }
   c.q_seq_len = qd[rank - 3];
   c.kv_seq_len = kd[rank - 3];
   c.q_heads = qd[rank - 2];
   c.kv_heads = kd[rank - 2];
   c.head_dim = qd[rank - 1];
+  c.head_dim_v = vd[rank - 1];
   c.scale = options.scale;
   c.window_left = options.window_left;
   c.window_right = options.window_right;
+  c.bottom_right = options.bottom_right;
   c.deterministic = direction == Direction::kBackward && options.deterministic;
-  c.padding = q_lengths != nullptr;
+  c.padding = optional.q_lengths.has_value();
   if (c.padding) {
-    for (const ffi::AnyBuffer* lengths : {q_lengths, kv_lengths}) {
+    for (const ffi::AnyBuffer* lengths : {&*optional.q_lengths, &*optional.kv_lengths}) {
       if (lengths->element_type() != ffi::DataType::S32 ||
           static_cast<int64_t>(lengths->element_count()) != vmapped * batch) {
         return BadArgument("sequence lengths must be int32 [batch], got " +
@@ -108,12 +118,27 @@ ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q
       }
     }
   }
-  plan->repeats = 1;
-  c.batch = vmapped * batch;
-  if (bias != nullptr) {
-    auto bd = bias->dimensions();
+  c.dropout = options.dropout;
+  c.dump_dropout_mask = direction == Direction::kForward && options.dump_dropout_mask;
+  if (c.dropout > 0) {
+    const ffi::AnyBuffer& seed = *optional.dropout_seed;
+    if (seed.element_type() != ffi::DataType::U32 ||
+        static_cast<int64_t>(seed.element_count()) != vmapped * 4) {
+      return BadArgument("the dropout seed must be uint32 [4], got " +
+                         DimsToString(seed.dimensions()));
+    }
+  }
+  // The graph runs once per vmapped slice when a slice's operands cannot be folded into one
+  // batch: a bias shared by the slice's batch (no single batch stride says that), or a dropout
+  // seed per slice.
+  bool shared_bias = optional.bias && optional.bias->dimensions()[rank - 4] == 1 && batch > 1;
+  bool per_slice = vmapped > 1 && (shared_bias || c.dropout > 0);
+  plan->repeats = per_slice ? vmapped : 1;
+  c.batch = per_slice ? batch : vmapped * batch;
+  if (optional.bias) {
+    auto bd = optional.bias->dimensions();
     ElementType bias_type;
-    JAX_SDPA_RETURN_IF_ERROR(ReadElementType(*bias, "bias", &bias_type));
+    JAX_SDPA_RETURN_IF_ERROR(ReadElementType(*optional.bias, "bias", &bias_type));
     int64_t bias_vmapped = 1;
     for (size_t i = 0; bd.size() == rank && i + 4 < rank; ++i) bias_vmapped *= bd[i];
     if (bd.size() != rank || bias_type != c.element_type || bias_vmapped != vmapped ||
@@ -124,15 +149,8 @@ ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q
                          "kv_seq] in the inputs' dtype, for query " + DimsToString(qd));
     }
     c.bias_heads = bd[rank - 3];
-    c.bias_batch = bd[rank - 4] * vmapped;
+    c.bias_batch = per_slice ? bd[rank - 4] : bd[rank - 4] * vmapped;
     c.bias_grad = direction == Direction::kBackward && options.bias_grad;
-    if (bd[rank - 4] == 1 && batch > 1 && vmapped > 1) {
-      // One bias per vmapped slice, shared by its batch: no single batch stride says that, so
-      // the graph runs once per slice.
-      plan->repeats = vmapped;
-      c.batch = batch;
-      c.bias_batch = 1;
-    }
   }
   return ffi::Error::Success();
 }
@@ -142,6 +160,19 @@ ffi::Error ExpectShape(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like,
       buffer.element_count() != like.element_count()) {
     return BadArgument(std::string(name) + " " + DimsToString(buffer.dimensions()) +
                        " does not match " + DimsToString(like.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// The output (and its cotangent): the query's shape with the value's head_dim.
+ffi::Error ExpectOutputShape(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& q,
+                             const CallPlan& plan, const char* name) {
+  const SdpaConfig& c = plan.config;
+  if (buffer.element_type() != q.element_type() ||
+      static_cast<int64_t>(buffer.element_count()) !=
+          plan.repeats * c.batch * c.q_seq_len * c.q_heads * c.head_dim_v) {
+    return BadArgument(std::string(name) + " " + DimsToString(buffer.dimensions()) +
+                       " is not the query's shape with head_dim " + std::to_string(c.head_dim_v));
   }
   return ffi::Error::Success();
 }
@@ -191,7 +222,7 @@ ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                         const CallPlan& plan, CudnnHandleLease* lease,
                         std::shared_ptr<SdpaGraph>* graph, void** workspace) {
   JAX_SDPA_RETURN_IF_ERROR(AcquireCudnnHandle(plan.config.device, stream, lease));
-  JAX_SDPA_RETURN_IF_ERROR(GraphCache::Global().GetOrBuild(plan.config, lease->handle, graph));
+  JAX_SDPA_RETURN_IF_ERROR(GraphCache::Global().GetOrBuild(plan.config, lease->handle, stream, graph));
   return AllocateWorkspace(scratch, **graph, workspace);
 }
 
@@ -203,14 +234,11 @@ void* MutableSlice(ffi::AnyBuffer buffer, int64_t r, int64_t repeats) {
   return static_cast<char*>(buffer.untyped_data()) + r * (buffer.size_bytes() / repeats);
 }
 
-// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths].
-struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths;
-};
-
 ffi::Error ReadOptionalInputs(const ffi::RemainingArgs& rest, const Options& options,
                               OptionalInputs* inputs) {
-  size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0);
+  bool has_dropout = options.dropout > 0;
+  size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
+                    (has_dropout ? 1 : 0);
   if (rest.size() != expected) {
     return BadArgument("expected " + std::to_string(expected) + " optional operands, got " +
                        std::to_string(rest.size()));
@@ -227,11 +255,17 @@ ffi::Error ReadOptionalInputs(const ffi::RemainingArgs& rest, const Options& opt
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs->q_lengths));
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs->kv_lengths));
   }
+  if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs->dropout_seed));
   return ffi::Error::Success();
 }
 
-const ffi::AnyBuffer* Ptr(const std::optional<ffi::AnyBuffer>& buffer) {
-  return buffer.has_value() ? &*buffer : nullptr;
+// What both handlers do first: read the optional operands and map the call onto a graph config.
+ffi::Error StartCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
+                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                     const ffi::RemainingArgs& rest, const Options& options,
+                     OptionalInputs* optional, CallPlan* plan) {
+  JAX_SDPA_RETURN_IF_ERROR(ReadOptionalInputs(rest, options, optional));
+  return PlanCall(direction, device, q, k, v, *optional, options, plan);
 }
 
 AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -246,24 +280,37 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     in.q_lengths = Slice(*optional.q_lengths, r, repeats);
     in.kv_lengths = Slice(*optional.kv_lengths, r, repeats);
   }
+  if (optional.dropout_seed) in.dropout_seed = Slice(*optional.dropout_seed, r, repeats);
   return in;
 }
 
 ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> stats, Options options) {
+                       ffi::Result<ffi::AnyBuffer> stats, ffi::RemainingRets extra_results,
+                       Options options) {
   try {
     OptionalInputs optional;
-    JAX_SDPA_RETURN_IF_ERROR(ReadOptionalInputs(rest, options, &optional));
     CallPlan plan;
-    JAX_SDPA_RETURN_IF_ERROR(PlanCall(Direction::kForward, device, q, k, v, Ptr(optional.bias),
-                                      Ptr(optional.q_lengths), Ptr(optional.kv_lengths), options,
-                                      &plan));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*o, q, "output"));
+    JAX_SDPA_RETURN_IF_ERROR(
+        StartCall(Direction::kForward, device, q, k, v, rest, options, &optional, &plan));
+    const SdpaConfig& c = plan.config;
+    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(*o, q, plan, "output"));
     JAX_SDPA_RETURN_IF_ERROR(ExpectStats(*stats, plan));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, plan.config, options, *o));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, plan.config, options, *stats));
+    std::optional<ffi::AnyBuffer> dropout_mask;
+    if (c.dump_dropout_mask) {
+      auto result = extra_results.get<ffi::AnyBuffer>(0);
+      if (!result.has_value()) return result.error();
+      dropout_mask = **result;
+      if (dropout_mask->element_type() != ffi::DataType::F32 ||
+          static_cast<int64_t>(dropout_mask->element_count()) !=
+              plan.repeats * c.batch * c.q_heads * c.q_seq_len * c.kv_seq_len) {
+        return BadArgument("the dropout mask must be float32 [batch, q_heads, q_seq, kv_seq]");
+      }
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *dropout_mask));
+    }
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *o));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *stats));
     CudnnHandleLease lease;
     std::shared_ptr<SdpaGraph> graph;
     void* workspace;
@@ -273,6 +320,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
       buffers.o = MutableSlice(*o, r, plan.repeats);
       buffers.stats = MutableSlice(*stats, r, plan.repeats);
+      if (dropout_mask) buffers.dropout_mask = MutableSlice(*dropout_mask, r, plan.repeats);
       JAX_SDPA_RETURN_IF_ERROR(graph->ExecuteForward(lease.handle, buffers, workspace));
     }
     return ffi::Error::Success();
@@ -289,13 +337,11 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                         Options options) {
   try {
     OptionalInputs optional;
-    JAX_SDPA_RETURN_IF_ERROR(ReadOptionalInputs(rest, options, &optional));
     CallPlan plan;
-    JAX_SDPA_RETURN_IF_ERROR(PlanCall(Direction::kBackward, device, q, k, v, Ptr(optional.bias),
-                                      Ptr(optional.q_lengths), Ptr(optional.kv_lengths), options,
-                                      &plan));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(o, q, "output"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(d_o, q, "output cotangent"));
+    JAX_SDPA_RETURN_IF_ERROR(
+        StartCall(Direction::kBackward, device, q, k, v, rest, options, &optional, &plan));
+    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(o, q, plan, "output"));
+    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(d_o, q, plan, "output cotangent"));
     JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dq, q, "query gradient"));
     JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dk, k, "key gradient"));
     JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dv, v, "value gradient"));
@@ -341,8 +387,10 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_sdpa::Options, ::xla::ffi::StructMember<float>("scale"),
     ::xla::ffi::StructMember<int64_t>("window_left"),
     ::xla::ffi::StructMember<int64_t>("window_right"),
-    ::xla::ffi::StructMember<bool>("has_bias"), ::xla::ffi::StructMember<bool>("has_lengths"),
-    ::xla::ffi::StructMember<bool>("bias_grad"), ::xla::ffi::StructMember<bool>("deterministic"),
+    ::xla::ffi::StructMember<bool>("bottom_right"), ::xla::ffi::StructMember<bool>("has_bias"),
+    ::xla::ffi::StructMember<bool>("has_lengths"), ::xla::ffi::StructMember<bool>("bias_grad"),
+    ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<float>("dropout"),
+    ::xla::ffi::StructMember<bool>("dump_dropout_mask"),
     ::xla::ffi::StructMember<bool>("poison_outputs"));
 
 namespace jax_sdpa {
@@ -355,9 +403,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardHandler, SdpaForward,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  .RemainingArgs()        // [bias], [q_lengths, kv_lengths]
+                                  .RemainingArgs()  // [bias], [q_lengths, kv_lengths], [seed]
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::AnyBuffer>()  // stats
+                                  .RemainingRets()        // [dropout_mask] (tests)
                                   .Attrs<Options>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardHandler, SdpaBackward,
@@ -371,7 +420,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardHandler, SdpaBackward,
                                   .Arg<ffi::AnyBuffer>()  // o
                                   .Arg<ffi::AnyBuffer>()  // stats
                                   .Arg<ffi::AnyBuffer>()  // d_o
-                                  .RemainingArgs()        // [bias], [q_lengths, kv_lengths]
+                                  .RemainingArgs()  // [bias], [q_lengths, kv_lengths], [seed]
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv

@@ -90,43 +90,60 @@ def poison_outputs():
         _poison_outputs = previous
 
 
-def _attributes(options, *, has_bias: bool, has_lengths: bool) -> dict:
+def _attributes(options, *, has_bias: bool, has_lengths: bool,
+                dump_dropout_mask: bool = False) -> dict:
     return dict(scale=np.float32(options.scale), window_left=np.int64(options.window_left),
-                window_right=np.int64(options.window_right), has_bias=has_bias,
+                window_right=np.int64(options.window_right),
+                bottom_right=bool(options.bottom_right), has_bias=has_bias,
                 has_lengths=has_lengths, bias_grad=bool(options.bias_grad),
                 deterministic=bool(options.deterministic),
+                dropout=np.float32(options.dropout), dump_dropout_mask=dump_dropout_mask,
                 poison_outputs=bool(_poison_outputs))
 
 
-def _optional_operands(bias, q_lengths, kv_lengths):
+def _optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options):
     operands = [] if bias is None else [bias]
     if q_lengths is not None:
         operands += [q_lengths, kv_lengths]
+    if options.dropout > 0:
+        if dropout_seed is None:
+            raise ValueError("dropout > 0 needs a dropout seed")
+        operands.append(dropout_seed)
     return operands
 
 
-def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, options):
-    """cuDNN forward: (output like query, stats float32 [batch..., heads, q_seq]).
+def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, options, *,
+                 dump_dropout_mask=False):
+    """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., heads, q_seq]).
 
     bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths/kv_lengths: None or int32
-    [B] (both or neither); options: a CudnnOptions.
+    [B] (both or neither); dropout_seed: uint32 [4] when options.dropout > 0; options: a
+    CudnnOptions. dump_dropout_mask (tests): also return cuDNN's keep mask, float32
+    [batch..., N, T, S] of 0 and 1.
     """
     _register_targets()
     *batch, q_seq_len, q_heads, _ = query.shape
-    result_types = (
-        jax.ShapeDtypeStruct(query.shape, query.dtype),
+    kv_seq_len = key.shape[-3]
+    result_types = [
+        jax.ShapeDtypeStruct((*batch, q_seq_len, q_heads, value.shape[-1]), query.dtype),
         jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len), jnp.float32),
-    )
+    ]
+    dump = bool(dump_dropout_mask and options.dropout > 0)
+    if dump:
+        result_types.append(
+            jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len, kv_seq_len), jnp.float32))
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
-    call = jax.ffi.ffi_call(FORWARD_TARGET, result_types, vmap_method="broadcast_all")
-    return call(query, key, value, *_optional_operands(bias, q_lengths, kv_lengths),
-                **_attributes(options, has_bias=bias is not None,
-                              has_lengths=q_lengths is not None))
+    call = jax.ffi.ffi_call(FORWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
+    results = call(query, key, value,
+                   *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options),
+                   **_attributes(options, has_bias=bias is not None,
+                                 has_lengths=q_lengths is not None, dump_dropout_mask=dump))
+    return tuple(results) if dump else (results[0], results[1])
 
 
-def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, output, stats, d_output,
-                  options):
+def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats,
+                  d_output, options):
     """cuDNN backward: (dq, dk, dv, dbias); dbias is None unless options.bias_grad."""
     _register_targets()
     result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value)]
@@ -135,7 +152,7 @@ def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, output, stats,
         result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
     results = call(query, key, value, output, stats, d_output.astype(output.dtype),
-                   *_optional_operands(bias, q_lengths, kv_lengths),
+                   *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options),
                    **_attributes(options, has_bias=bias is not None,
                                  has_lengths=q_lengths is not None))
     return (*results[:3], results[3] if with_dbias else None)

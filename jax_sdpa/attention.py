@@ -13,25 +13,38 @@ from jax_sdpa.validation import validate
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          deterministic=False):
+                          deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
+                          dropout_rng=None, query_segment_ids=None, kv_segment_ids=None):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
       query: ``[batch..., T, N, H]`` (or ``[T, N, H]``), float16/bfloat16 for cuDNN.
-      key, value: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA / MQA).
+      key: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA / MQA).
+      value: ``[batch..., S, K, Hv]``; ``Hv`` may differ from ``H`` (the output has ``Hv``).
       bias: optional float array broadcastable to ``[B, N, T, S]``, added to the scores.
       mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
       scale: score scale; defaults to ``1 / sqrt(H)``.
       is_causal: causal mask, aligned top-left (query i sees keys 0..i), as jax.nn.
       query_seq_lengths, key_value_seq_lengths: optional int32 ``[B]`` valid lengths; query rows
         past their length are zeroed.
-      local_window_size: ``w`` or ``(left, right)``: query i sees keys ``i-left .. i+right``.
+      local_window_size: ``w`` or ``(left, right)``: query i sees keys ``i-left .. i+right``
+        (measured from the diagonal that causal_alignment places).
       implementation: ``None`` (cuDNN when it can run the call, else the XLA reference path with
         a one-time warning naming why), ``"cudnn"`` (cuDNN or an error naming why), ``"xla"``.
       return_residual: also return the log-sum-exp of each score row, float32 ``[batch..., T, N]``
         (jax.nn casts it to the input dtype; we keep float32). It carries no gradient.
       deterministic: cuDNN's deterministic backward (bitwise reproducible; slower). Not in
         jax.nn. The reference path is deterministic anyway.
+      causal_alignment: ``"top_left"`` (jax.nn: query i sits at key i) or ``"bottom_right"``
+        (query i sits at key ``i + S - T``: the last query sees every key, as in decoding and
+        chunked prefill). Applies to is_causal and local_window_size. Not in jax.nn.
+      dropout_rate, dropout_rng: attention dropout: each weight is dropped with probability
+        dropout_rate and the kept ones scaled by ``1 / (1 - dropout_rate)``; the mask comes from
+        the PRNG key dropout_rng (one key: the same key drops the same weights, and the
+        backward drops what the forward dropped). Not in jax.nn.
+      query_segment_ids, kv_segment_ids: int32 ``[B, T]`` / ``[B, S]`` ids for packed sequences:
+        a query attends only to keys with its id (kv_segment_ids defaults to the query's when
+        ``T == S``). Combines with every other mask. Not in jax.nn.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
@@ -39,7 +52,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     call = validate(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     query_seq_lengths=query_seq_lengths,
                     key_value_seq_lengths=key_value_seq_lengths,
-                    local_window_size=local_window_size, implementation=implementation)
+                    local_window_size=local_window_size, implementation=implementation,
+                    causal_alignment=causal_alignment, dropout_rate=dropout_rate,
+                    dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
+                    kv_segment_ids=kv_segment_ids)
     use_cudnn = False
     if implementation != "xla":
         reason = cudnn_support.unsupported_reason(call)
@@ -50,13 +66,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         else:
             warn_once(f"jax_sdpa: using the XLA reference path because {reason}")
     if use_cudnn:
-        output, lse = cudnn_path.run(call, deterministic=bool(deterministic))
+        band, _ = cudnn_path.diagonal_band(call)
+        output, lse = cudnn_path.run(call, deterministic=bool(deterministic), band=band)
     else:
         output, lse = attention_reference(
             call.query, call.key, call.value, call.bias, call.mask, scale=call.scale,
             is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
             key_value_seq_lengths=call.key_value_seq_lengths,
-            local_window_size=call.local_window_size)
+            local_window_size=call.local_window_size, diagonal_offset=call.diagonal_offset,
+            dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
     output = output.reshape(call.output_shape)
     if not return_residual:
         return output

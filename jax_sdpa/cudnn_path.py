@@ -1,7 +1,8 @@
 """The cuDNN path: our FFI forward and backward joined by jax.custom_vjp.
 
 The forward's float32 stats (log-sum-exp per query row and head) are the residual the backward
-consumes, so the backward never recomputes the softmax normaliser.
+consumes, so the backward never recomputes the softmax normaliser. With dropout, the forward and
+backward get the same Philox seed, so the backward drops exactly what the forward dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sdpa import _ffi
+from jax_sdpa.reference import combined_mask, large_negative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,22 +25,30 @@ class CudnnOptions:
     scale: float
     window_left: int = -1  # cuDNN's exclusive left bound: keys j > i - window_left; -1: none
     window_right: int = -1  # keys j <= i + window_right; 0 is causal; -1: none
+    bottom_right: bool = False  # the band is measured from the bottom-right corner (cuDNN's)
     bias_grad: bool = False  # the bias is the user's (it has a gradient), not a mask's
     deterministic: bool = False
+    dropout: float = 0.0  # probability of dropping a weight; > 0 needs a dropout seed
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def cudnn_attention(query, key, value, bias, q_lengths, kv_lengths, options: CudnnOptions):
-    """[B..., T, N, H] x [B..., S, K, H] -> (output [B..., T, N, H], lse float32 [B..., N, T]).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def cudnn_attention(query, key, value, bias, q_lengths, kv_lengths, dropout_seed,
+                    options: CudnnOptions):
+    """[B..., T, N, H] x [B..., S, K, H] x [B..., S, K, Hv]
+    -> (output [B..., T, N, Hv], lse float32 [B..., N, T]).
 
-    bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths, kv_lengths: None or int32 [B].
+    bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths, kv_lengths: None or int32 [B];
+    dropout_seed: None or uint32 [4] (Philox seed, then offset, as two int64) when dropout > 0.
     """
-    return _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, options)
+    return _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed,
+                             options)
 
 
-def _forward(query, key, value, bias, q_lengths, kv_lengths, options):
-    output, stats = _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, options)
-    return (output, stats), (query, key, value, bias, q_lengths, kv_lengths, output, stats)
+def _forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, options):
+    output, stats = _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths,
+                                      dropout_seed, options)
+    residuals = (query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats)
+    return (output, stats), residuals
 
 
 def _integer_zero(x):
@@ -46,14 +56,15 @@ def _integer_zero(x):
 
 
 def _backward(options, residuals, cotangents):
-    query, key, value, bias, q_lengths, kv_lengths, output, stats = residuals
+    query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats = residuals
     # The log-sum-exp is returned under stop_gradient, as jax.nn does: its cotangent is dropped.
     d_output, _ = cotangents
     dq, dk, dv, dbias = _ffi.sdpa_backward(query, key, value, bias, q_lengths, kv_lengths,
-                                           output, stats, d_output, options)
+                                           dropout_seed, output, stats, d_output, options)
     if bias is not None and dbias is None:
         dbias = jnp.zeros_like(bias)  # a mask's bias: nothing upstream needs its gradient
-    return dq, dk, dv, dbias, _integer_zero(q_lengths), _integer_zero(kv_lengths)
+    return (dq, dk, dv, dbias, _integer_zero(q_lengths), _integer_zero(kv_lengths),
+            _integer_zero(dropout_seed))
 
 
 cudnn_attention.defvjp(_forward, _backward)
@@ -65,8 +76,87 @@ def mask_to_bias(mask, dtype):
     return jnp.where(mask, 0.0, -0.5 * float(jnp.finfo(dtype).max)).astype(dtype)
 
 
-def run(call, deterministic: bool):
-    """Runs a validated AttentionCall on cuDNN: (output [B, T, N, H], lse [B, N, T])."""
+def dropout_seed(rng):
+    """uint32 [4] holding cuDNN's Philox seed (64 random bits from the key) and offset (0)."""
+    return jnp.concatenate([jax.random.bits(rng, (2,), jnp.uint32), jnp.zeros((2,), jnp.uint32)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """The causal/window band in cuDNN's terms (see CudnnOptions)."""
+
+    left: int = -1
+    right: int = -1
+    bottom_right: bool = False
+
+
+def diagonal_band(call) -> tuple[Band | None, str | None]:
+    """(the band cuDNN runs for this call, None) or (None, why cuDNN cannot run it).
+
+    A bottom-right band is shifted onto the top-left diagonal where the shifted bounds stay
+    valid (this also works with a bias and dropout, which cuDNN's own bottom-right alignment
+    refuses); otherwise cuDNN's bottom-right alignment is used where it applies."""
+    left, right = call.local_window_size or (None, None)
+    if call.is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return Band(), None
+    batch, q_seq_len = call.query.shape[:2]
+    kv_seq_len = call.key.shape[1]
+    has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
+    offset = call.diagonal_offset
+    shifted_left = None if left is None else left - offset
+    shifted_right = None if right is None else right + offset
+    if (shifted_left is None or shifted_left >= 0) and (shifted_right is None or
+                                                          shifted_right >= 0):
+        band = Band(-1 if left is None else shifted_left + 1,
+                    -1 if right is None else shifted_right)
+    elif (call.bias is None and call.mask is None and call.dropout_rate == 0.0 and
+          not has_lengths and q_seq_len <= kv_seq_len):
+        band = Band(-1 if left is None else left + 1, -1 if right is None else right, True)
+    else:
+        return None, ("causal_alignment='bottom_right' with these sequence lengths "
+                      f"(T={q_seq_len}, S={kv_seq_len}) and window needs a band cuDNN does not "
+                      "offer together with a bias, mask, dropout or sequence lengths")
+    if band.left >= 0 and q_seq_len > kv_seq_len and not has_lengths:
+        return None, (f"cuDNN's sliding window needs T <= S without sequence lengths (T="
+                      f"{q_seq_len}, S={kv_seq_len})")
+    return band, None
+
+
+def _rows_seeing_nothing(call):
+    """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal or window."""
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    keep = combined_mask(q_seq_len, kv_seq_len, mask=call.mask, is_causal=call.is_causal,
+                         local_window_size=call.local_window_size,
+                         diagonal_offset=call.diagonal_offset)
+    return ~jnp.any(keep, axis=-1)
+
+
+def _uniform_rows(call, output, lse):
+    """Rows a mask hides entirely get the plain average of all values, as the reference path
+    (and jax.nn) give. A mask reaches cuDNN as a finite bias that in float16 does not swamp the
+    scores, so cuDNN's own rows there are not uniform; the where also sends those rows a zero
+    cotangent, so the backward matches the reference's gradient."""
+    batch, q_seq_len, q_heads, _ = call.query.shape
+    kv_heads = call.key.shape[2]
+    empty = _rows_seeing_nothing(call)  # [B|1, N|1, T]
+    mean_value = jnp.mean(call.value.astype(jnp.float32), axis=1)  # [B, K, Hv]
+    mean_value = jnp.repeat(mean_value, q_heads // kv_heads, axis=1)  # [B, N, Hv]
+    empty_btn = jnp.swapaxes(empty, 1, 2)[..., None]  # [B|1, T, N|1, 1]
+    output = jnp.where(empty_btn, mean_value[:, None].astype(output.dtype), output)
+    if call.query_seq_lengths is not None:
+        valid = jnp.arange(q_seq_len)[None, :] < call.query_seq_lengths[:, None]
+        output = output * valid[:, :, None, None].astype(output.dtype)
+    if call.key_value_seq_lengths is not None:
+        output = output * (call.key_value_seq_lengths > 0)[:, None, None, None].astype(
+            output.dtype)
+    lse = jnp.where(empty, large_negative(), lse)
+    return output, lse
+
+
+def run(call, deterministic: bool, band: Band):
+    """Runs a validated AttentionCall on cuDNN: (output [B, T, N, Hv], lse [B, N, T])."""
     dtype = call.query.dtype
     batch, q_seq_len, _, _ = call.query.shape
     kv_seq_len = call.key.shape[1]
@@ -81,11 +171,12 @@ def run(call, deterministic: bool):
         full = lambda n: jnp.full((batch,), n, jnp.int32)  # noqa: E731
         q_lengths = full(q_seq_len) if q_lengths is None else q_lengths
         kv_lengths = full(kv_seq_len) if kv_lengths is None else kv_lengths
-    left, right = -1, -1
-    if call.local_window_size is not None:
-        left, right = call.local_window_size[0] + 1, call.local_window_size[1]
-    if call.is_causal:
-        right = 0
-    options = CudnnOptions(scale=call.scale, window_left=left, window_right=right,
-                           bias_grad=call.bias is not None, deterministic=deterministic)
-    return cudnn_attention(call.query, call.key, call.value, bias, q_lengths, kv_lengths, options)
+    seed = dropout_seed(call.dropout_rng) if call.dropout_rate > 0.0 else None
+    options = CudnnOptions(scale=call.scale, window_left=band.left, window_right=band.right,
+                           bottom_right=band.bottom_right, bias_grad=call.bias is not None,
+                           deterministic=deterministic, dropout=call.dropout_rate)
+    output, lse = cudnn_attention(call.query, call.key, call.value, bias, q_lengths, kv_lengths,
+                                  seed, options)
+    if call.mask is not None:
+        output, lse = _uniform_rows(call, output, lse)
+    return output, lse

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi
+from jax_sdpa.cudnn_path import diagonal_band
 from jax_sdpa.validation import AttentionCall
 
 MIN_CUDNN_VERSION = 90000  # cuDNN 9.0: SDPA forward and backward through the frontend graphs
@@ -48,10 +49,11 @@ def call_reason(call: AttentionCall) -> str | None:
     dtype = call.query.dtype
     if dtype not in CUDNN_DTYPES:
         return f"dtype {dtype} is not float16 or bfloat16"
-    head_dim = call.query.shape[-1]
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        return f"head_dim {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
-    return None
+    for name, head_dim in (("head_dim", call.query.shape[-1]),
+                           ("value head_dim", call.value.shape[-1])):
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            return f"{name} {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
+    return diagonal_band(call)[1]
 
 
 def unsupported_reason(call: AttentionCall) -> str | None:

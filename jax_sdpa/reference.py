@@ -17,18 +17,22 @@ import numpy as np
 __all__ = ["attention_reference"]
 
 
-def _large_negative() -> float:
+def large_negative() -> float:
     # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
     return -0.7 * float(np.finfo(np.float32).max)
 
 
 def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
-                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None):
-    """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks."""
+                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                  diagonal_offset=0):
+    """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks.
+
+    Query i sits on the diagonal at key i + diagonal_offset (0: top-left, S - T: bottom-right);
+    causal and the window are measured from there."""
     parts = []
     if mask is not None:
         parts.append(mask)
-    q_pos = jnp.arange(q_seq_len)[:, None]
+    q_pos = jnp.arange(q_seq_len)[:, None] + diagonal_offset
     k_pos = jnp.arange(kv_seq_len)[None, :]
     if is_causal:
         parts.append((q_pos >= k_pos)[None, None])
@@ -47,13 +51,22 @@ def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
     return result
 
 
+def dropout_keep_mask(rng, rate, shape):
+    """The reference path's dropout draw: True where a weight is kept (probability 1 - rate)."""
+    return jax.random.bernoulli(rng, 1.0 - rate, shape)
+
+
 def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
-                        local_window_size=None):
-    """Attention on [B, T, N, H] queries and [B, S, K, H] keys/values (N a multiple of K).
+                        local_window_size=None, diagonal_offset=0, dropout_rate=0.0,
+                        dropout_rng=None, dropout_keep=None):
+    """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
-    Scores and softmax are float32 whatever the input dtype. Returns (output [B, T, N, H] in the
-    query's dtype, lse [B, N, T] float32): lse is the log-sum-exp of each row of masked scores.
+    Scores and softmax are float32 whatever the input dtype. Dropout (dropout_rate > 0) keeps
+    each weight with probability 1 - rate and scales kept weights by 1 / (1 - rate); the keep
+    mask is drawn from dropout_rng, or given as dropout_keep ([B, N, T, S], e.g. cuDNN's own
+    mask in a test). Returns (output [B, T, N, Hv] in the query's dtype, lse [B, N, T] float32):
+    lse is the log-sum-exp of each row of masked scores, before dropout.
     """
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, _ = key.shape
@@ -68,12 +81,17 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
-                         local_window_size=local_window_size)
+                         local_window_size=local_window_size, diagonal_offset=diagonal_offset)
     if keep is not None:
-        logits = jnp.where(keep, logits, _large_negative())
+        logits = jnp.where(keep, logits, large_negative())
     lse = jax.nn.logsumexp(logits, axis=-1)
     # softmax, not exp(logits - lse): for a fully masked row lse rounds to the fill value itself.
-    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if dropout_rate > 0.0:
+        if dropout_keep is None:
+            dropout_keep = dropout_keep_mask(dropout_rng, dropout_rate, probs.shape)
+        probs = jnp.where(dropout_keep.astype(bool), probs / (1.0 - dropout_rate), 0.0)
+    probs = probs.astype(value.dtype)
     probs = probs.reshape(batch, kv_heads, groups, q_seq_len, kv_seq_len)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, value, preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision.HIGHEST)

@@ -7,10 +7,12 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,13 @@ class AttentionCall:
     query_seq_lengths: jnp.ndarray | None
     key_value_seq_lengths: jnp.ndarray | None
     local_window_size: tuple[int, int] | None
-    output_shape: tuple[int, ...]  # the caller's query shape, restored on the way out
+    output_shape: tuple[int, ...]  # the caller's output shape, restored on the way out
+    # Where the causal diagonal and the window sit: query i is aligned with key i + offset;
+    # offset = 0 top-left (jax.nn), S - T bottom-right.
+    diagonal_offset: int = 0
+    dropout_rate: float = 0.0
+    dropout_rng: jnp.ndarray | None = None  # a single PRNG key when dropout_rate > 0
+    has_segments: bool = False  # segment ids were folded into `mask`
 
 
 def _as_array(value, name):
@@ -94,10 +102,62 @@ def _window(local_window_size):
     return window
 
 
+def _segment_ids(ids, batch, length, name):
+    given_dtype = getattr(ids, "dtype", None)
+    ids = _as_array(ids, name)
+    if (given_dtype if given_dtype is not None else ids.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {given_dtype or ids.dtype}")
+    if ids.shape != (batch, length):
+        raise ValueError(f"{name} must have shape [batch, seq] = ({batch}, {length}), got "
+                         f"{ids.shape}")
+    return ids
+
+
+def _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len):
+    """[B, 1, T, S] boolean: a query attends only to keys of its own segment (document)."""
+    if query_segment_ids is None and kv_segment_ids is None:
+        return None
+    if query_segment_ids is None:
+        raise ValueError("kv_segment_ids needs query_segment_ids")
+    if kv_segment_ids is None:
+        if q_seq_len != kv_seq_len:
+            raise ValueError("kv_segment_ids is required when the query and key/value sequence "
+                             f"lengths differ ({q_seq_len} vs {kv_seq_len})")
+        kv_segment_ids = query_segment_ids
+    q_ids = _segment_ids(query_segment_ids, batch, q_seq_len, "query_segment_ids")
+    kv_ids = _segment_ids(kv_segment_ids, batch, kv_seq_len, "kv_segment_ids")
+    return (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+
+
+def _dropout(dropout_rate, dropout_rng):
+    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real):
+        raise TypeError(f"dropout_rate must be a Python float, got {type(dropout_rate).__name__}")
+    rate = float(dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if rate == 0.0:
+        return 0.0, None
+    if dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng, a JAX PRNG key "
+                         "(jax.random.key(seed) or jax.random.PRNGKey(seed))")
+    rng = jnp.asarray(dropout_rng) if not isinstance(dropout_rng, jax.Array) else dropout_rng
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if not ((typed and rng.shape == ()) or (not typed and rng.dtype == jnp.uint32 and
+                                             rng.shape == (2,))):
+        raise TypeError("dropout_rng must be one PRNG key (jax.random.key(seed), shape (), or "
+                        f"jax.random.PRNGKey(seed), uint32 (2,)), got {rng.dtype} {rng.shape}")
+    return rate, rng
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-             key_value_seq_lengths, local_window_size, implementation) -> AttentionCall:
+             key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
+             dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
+             kv_segment_ids=None) -> AttentionCall:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got "
+                         f"{causal_alignment!r}")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
     query = _as_array(query, "query")
@@ -114,10 +174,10 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if query.shape[:-3] != key.shape[:-3]:
         raise ValueError(f"query and key must have the same batch axes, got shapes {query.shape} "
                          f"and {key.shape}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {key.shape} and "
-                         f"{value.shape}")
-    output_shape = query.shape
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(f"key and value must have the same shape but for head_dim, got "
+                         f"{key.shape} and {value.shape}")
+    output_shape = (*query.shape[:-1], value.shape[-1])
     query, key, value = (_fold_batch(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     batch, q_seq_len, q_heads, head_dim = query.shape
@@ -146,6 +206,10 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
         mask = _broadcastable_4d(mask, target, "mask")
+    segments = _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len)
+    if segments is not None:
+        mask = segments if mask is None else jnp.logical_and(mask, segments)
+    rate, rng = _dropout(dropout_rate, dropout_rng)
     return AttentionCall(
         query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
         is_causal=bool(is_causal),
@@ -153,4 +217,6 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
         local_window_size=_window(local_window_size),
         output_shape=output_shape,
+        diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
+        dropout_rate=rate, dropout_rng=rng, has_segments=segments is not None,
     )

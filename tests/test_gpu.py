@@ -94,7 +94,7 @@ def test_every_output_element_is_written():
     q, k, v, d_out = random_qkv(6, 2, 200, 136, 8, 4, 64, jnp.bfloat16)
     with _ffi.poison_outputs():
         options = CudnnOptions(0.125, window_right=0)
-        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, None, None, None, options))
+        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, None, None, None, None, options))
         (out, stats), vjp = jax.vjp(fn, q, k, v)
         grads = vjp((d_out, jnp.zeros_like(stats)))
     for name, x in zip(("output", "stats", "dq", "dk", "dv"), (out, stats, *grads)):
@@ -133,7 +133,7 @@ def test_cudnn_failure_is_an_exception_and_the_next_call_works():
     q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 60, jnp.float16)
     with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=60"):
         jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(
-            *a, None, None, None, CudnnOptions(0.1)))(q, k, v))
+            *a, None, None, None, None, CudnnOptions(0.1)))(q, k, v))
     q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
     out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
     assert np.all(np.isfinite(np.asarray(out, np.float32)))

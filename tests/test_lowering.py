@@ -25,7 +25,8 @@ def custom_calls(fn, *args):
 
 
 def loss(q, k, v):
-    output, _ = cudnn_attention(q, k, v, None, None, None, CudnnOptions(0.125, window_right=0))
+    output, _ = cudnn_attention(q, k, v, None, None, None, None,
+                                  CudnnOptions(0.125, window_right=0))
     return output.astype(jnp.float32).sum()
 
 
@@ -49,7 +50,7 @@ def test_lowers_to_our_targets(transform):
 def test_options_lower_to_our_targets(option, monkeypatch):
     """Every option reaches our custom calls; dbias only where the user's bias needs it."""
     monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
-    b, t, s, n, h = 2, 64, 48, 4, 64
+    b, t, s, n, h = 2, 48, 64, 4, 64
     q = jnp.zeros((b, t, n, h), jnp.float16)
     kv = jnp.zeros((b, s, 2, h), jnp.float16)
     kwargs = {}
