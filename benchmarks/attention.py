@@ -20,8 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.configs import ANCHOR_CONFIGS, parse_config
+from benchmarks.configs import ANCHOR_CONFIGS, Config, parse_config
 from benchmarks.implementations import available
+from benchmarks.report import chart, markdown, memory_markdown
 
 CALLS = 8
 
@@ -87,14 +88,24 @@ def bench_config(config, rounds):
     return rows
 
 
-def markdown(rows):
-    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        fa3 = f"{r['vs_flash_attn3']:.3f}" if r["vs_flash_attn3"] is not None else "–"
-        lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
-                     f"{r['tflops']:.0f} | {r['vs_jax_nn_cudnn']:.3f} | {fa3} |")
-    return "\n".join(lines)
+def memory_rows(config):
+    """fwd+bwd temporary device memory, from XLA's analysis of the compiled step (nothing runs:
+    the XLA path's [B, N, S, S] scores would not fit at long S)."""
+    shapes = [jax.ShapeDtypeStruct((config.batch, config.seq, heads, config.head_dim),
+                                   config.dtype)
+              for heads in (config.q_heads, config.kv_heads, config.kv_heads, config.q_heads)]
+    rows = []
+    for name, attention in available(config).items():
+        if name == "flash-attn3-jax":
+            continue
+        fn = timed_functions(attention, config.causal)["fwd+bwd"]
+        analysis = fn.lower([tuple(shapes)]).compile().memory_analysis()
+        rows.append(dict(config=config.name, impl=name,
+                         temp_gib=analysis.temp_size_in_bytes / 2**30))
+    return rows
+
+
+MEMORY_CONFIG = Config("d128-s32k-causal", 1, 32768, 16, 16, 128, jnp.bfloat16, True)
 
 
 def main(argv=None):
@@ -104,22 +115,33 @@ def main(argv=None):
     parser.add_argument("--only", action="append", default=[], help="run only these configs")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--label", default="", help="appended to the header, e.g. XLA flags")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the S=32k peak-memory comparison")
     args = parser.parse_args(argv)
     configs = ANCHOR_CONFIGS + [parse_config(text) for text in args.config]
     if args.only:
         configs = [c for c in configs if c.name in args.only]
     device = jax.devices()[0]
     header = (f"{time.strftime('%Y-%m-%d')}, {device.device_kind}, JAX {jax.__version__}, "
-              f"cuDNN {__import__('jax_sdpa').cudnn_version()}")
+              f"cuDNN {__import__('jax_sdpa').cudnn_version()}{' ' + args.label if args.label else ''}")
     rows = []
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
         rows.extend(bench_config(config, args.rounds))
     table = markdown(rows)
+    memory = [] if args.no_memory else memory_rows(MEMORY_CONFIG)
+    if memory:
+        table += "\n\n" + memory_markdown(memory)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(dict(header=header, calls_per_round=CALLS, rows=rows), f, indent=1)
+        json.dump(dict(header=header, calls_per_round=CALLS, rows=rows, memory=memory), f,
+                  indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(header + "\n\n" + table + "\n")
+    try:
+        chart(rows, header, os.path.join(args.out, "bench.png"))
+    except ImportError as error:
+        print(f"no chart: {error}", file=sys.stderr)
     print(header)
     print(table)
 

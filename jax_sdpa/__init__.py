@@ -6,9 +6,11 @@ from jax_sdpa.versions import check_jax as _check_jax
 
 _check_jax(_jax.__version__)
 
-from jax_sdpa._ffi import cudnn_version, graph_cache_stats
+from jax_sdpa._ffi import (cudnn_version, export_disabled_checks, graph_cache_stats,
+                           register_ffi_targets)
 from jax_sdpa.attention import dot_product_attention
 from jax_sdpa.reference import attention_reference
 
-__all__ = ["dot_product_attention", "attention_reference", "cudnn_version", "graph_cache_stats"]
+__all__ = ["dot_product_attention", "attention_reference", "cudnn_version",
+           "export_disabled_checks", "graph_cache_stats", "register_ffi_targets"]
 __version__ = "0.1.0"

@@ -69,6 +69,21 @@ def _register_targets() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
+def register_ffi_targets() -> None:
+    """Registers our FFI targets with XLA (done on first use; call it before running a
+    deserialized jax.export module in a process that has not traced our attention)."""
+    _register_targets()
+
+
+def export_disabled_checks() -> list:
+    """jax.export's `disabled_checks` for functions that use our cuDNN custom calls:
+    jax.export.export(jax.jit(f), disabled_checks=jax_sdpa.export_disabled_checks())."""
+    from jax import export  # noqa: PLC0415
+
+    return [export.DisabledSafetyCheck.custom_call(name)
+            for name in (FORWARD_TARGET, BACKWARD_TARGET)]
+
+
 def cudnn_version() -> int:
     """cuDNN version of the libcudnn in this process, e.g. 91900 for 9.19.0."""
     return int(extension().cudnn_version())

@@ -188,8 +188,20 @@ def option_kwargs(option, rng):
             kwargs["key_value_seq_lengths"] = jnp.array([1, 130], jnp.int32)
         elif part == "kvzero":  # batch entry 0 has no keys: its rows are zeros on both paths
             kwargs["key_value_seq_lengths"] = jnp.array([0, 130], jnp.int32)
+        elif part == "maskrows":  # rows 0..9 of batch 1 see no key: uniform average
+            mask = rng.random((B, N, T, S)) > 0.5
+            mask[1, :, :10] = False
+            kwargs["mask"] = jnp.asarray(mask)
+        elif part == "segments":  # three packed documents per row; some see no key
+            q_ids = np.sort(rng.integers(0, 3, size=(B, T)), axis=1).astype(np.int32)
+            kv_ids = np.sort(rng.integers(0, 3, size=(B, S)), axis=1).astype(np.int32)
+            kwargs["query_segment_ids"] = jnp.asarray(q_ids)
+            kwargs["kv_segment_ids"] = jnp.asarray(kv_ids)
         elif part == "causal":
             kwargs["is_causal"] = True
+        elif part == "causalBR":  # bottom-right: query i sits at key i + S - T
+            kwargs["is_causal"] = True
+            kwargs["causal_alignment"] = "bottom_right"
         elif part.startswith("window"):
             left, right = part[len("window"):].split("_")
             kwargs["local_window_size"] = (int(left), int(right))
@@ -221,7 +233,10 @@ def check_option(option, dtype=jnp.bfloat16, deterministic=False):
 OPTIONS = ["bias1NTS", "biasBNTS", "biasB1TS", "bias11TS", "biasB11S", "bias1NTS+causal",
            "mask", "maskB11S", "mask+causal", "lengths", "kvlengths", "kvzero", "lengths+causal",
            "mask+lengths", "window32_0", "window32_0+causal", "window16_8", "window16_8+causal",
-           "window0_0", "bias1NTS+mask+lengths+window64_0"]
+           "window0_0", "bias1NTS+mask+lengths+window64_0",
+           # shifted onto the top-left diagonal; with a bias; cuDNN's own bottom-right band
+           "causalBR", "bias1NTS+causalBR", "window16_0+causalBR", "window100_4+causalBR",
+           "maskrows", "maskrows+causal", "segments", "segments+causal", "segments+lengths"]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -229,7 +244,8 @@ def test_options_on_cudnn(option):
     check_option(option)
 
 
-@pytest.mark.parametrize("option", ["biasB1TS+causal", "lengths+causal"])
+@pytest.mark.parametrize("option", ["biasB1TS+causal", "lengths+causal", "maskrows",
+                                    "segments+causal", "causalBR"])
 def test_options_fp16(option):
     check_option(option, dtype=jnp.float16)
 

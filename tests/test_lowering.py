@@ -46,7 +46,8 @@ def test_lowers_to_our_targets(transform):
     assert expected <= custom_calls(fn, *args)
 
 
-@pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "everything"])
+@pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "dropout",
+                                    "bottom_right", "segments", "everything"])
 def test_options_lower_to_our_targets(option, monkeypatch):
     """Every option reaches our custom calls; dbias only where the user's bias needs it."""
     monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
@@ -62,6 +63,13 @@ def test_options_lower_to_our_targets(option, monkeypatch):
         kwargs["query_seq_lengths"] = jnp.array([t, 5], jnp.int32)
     if option in ("window", "everything"):
         kwargs["local_window_size"] = (8, 0)
+    if option in ("dropout", "everything"):
+        kwargs.update(dropout_rate=0.25, dropout_rng=jax.random.key(0))
+    if option == "bottom_right":  # with the window of "everything" it needs the reference
+        kwargs.update(is_causal=True, causal_alignment="bottom_right")
+    if option in ("segments", "everything"):
+        kwargs.update(query_segment_ids=jnp.zeros((b, t), jnp.int32),
+                      kv_segment_ids=jnp.zeros((b, s), jnp.int32))
 
     def grad_loss(q, kv, bias=None):
         extra = dict(kwargs, bias=bias) if bias is not None else kwargs
@@ -75,3 +83,40 @@ def test_options_lower_to_our_targets(option, monkeypatch):
     assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
     backward = [line for line in text.splitlines() if _ffi.BACKWARD_TARGET in line][0]
     assert ("bias_grad = true" in backward) == ("bias" in kwargs)
+    # The forward and the backward get the same dropout probability (and seed operand).
+    dropout = "dropout = 2.500000e-01" if "dropout_rate" in kwargs else "dropout = 0.0"
+    assert dropout in backward
+    forward = [line for line in text.splitlines() if _ffi.FORWARD_TARGET in line][0]
+    assert dropout in forward
+
+
+def test_value_head_dim_lowers_with_its_own_output_shape(monkeypatch):
+    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    q = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
+    k = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
+    v = jnp.zeros((2, 64, 4, 128), jnp.bfloat16)
+    fn = lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")  # noqa
+    out = jax.eval_shape(fn, q, k, v)
+    assert out.shape == (2, 64, 4, 128)
+    grads = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grads, q, k, v)
+
+
+def test_export_with_the_declared_custom_calls(monkeypatch):
+    """jax.export for CUDA of a training step's attention: our targets are the only custom
+    calls, declared through jax_sdpa.export_disabled_checks(); it serializes and reads back."""
+    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+
+    def step(q, k, v):
+        return jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True).astype(jnp.float32).sum())(q)
+    with pytest.raises(ValueError, match="custom call"):  # undeclared: jax.export refuses
+        jax.export.export(jax.jit(step), platforms=["cuda"])(q, q, q)
+    exported = jax.export.export(jax.jit(step), platforms=["cuda"],
+                                 disabled_checks=jax_sdpa.export_disabled_checks())(q, q, q)
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.platforms == ("cuda",)
+    text = restored.mlir_module()
+    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    assert "cudnn$fmha" not in text

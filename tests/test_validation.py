@@ -1,6 +1,7 @@
 """Every argument outside the contract is a Python error naming the argument, raised before
 anything is traced into C++."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +41,25 @@ CASES = [  # (description, arguments, keywords, error type, message pattern)
      "mask"),
     ("unknown implementation", (Q, KV, KV), {"implementation": "triton"}, ValueError,
      "implementation"),
+    ("unknown causal alignment", (Q, KV, KV), {"causal_alignment": "bottom"}, ValueError,
+     "causal_alignment"),
+    ("dropout without a key", (Q, KV, KV), {"dropout_rate": 0.1}, ValueError, "dropout_rng"),
+    ("dropout rate 1", (Q, KV, KV), {"dropout_rate": 1.0, "dropout_rng": jax.random.key(0)},
+     ValueError, "dropout_rate"),
+    ("dropout rate a string", (Q, KV, KV), {"dropout_rate": "0.1"}, TypeError, "dropout_rate"),
+    ("two dropout keys", (Q, KV, KV),
+     {"dropout_rate": 0.1, "dropout_rng": jax.random.split(jax.random.key(0))}, TypeError,
+     "dropout_rng"),
+    ("segment ids int64", (Q, KV, KV),
+     {"query_segment_ids": np.zeros((B, T), np.int64), "kv_segment_ids": np.zeros((B, S), np.int32)},
+     TypeError, "query_segment_ids.*int32"),
+    ("segment ids shape", (Q, KV, KV),
+     {"query_segment_ids": jnp.zeros((B, T), jnp.int32), "kv_segment_ids": jnp.zeros((B, T), jnp.int32)},
+     ValueError, "kv_segment_ids.*shape"),
+    ("kv segment ids missing, T != S", (Q, KV, KV),
+     {"query_segment_ids": jnp.zeros((B, T), jnp.int32)}, ValueError, "kv_segment_ids"),
+    ("only kv segment ids", (Q, KV, KV), {"kv_segment_ids": jnp.zeros((B, S), jnp.int32)},
+     ValueError, "query_segment_ids"),
 ]
 
 
