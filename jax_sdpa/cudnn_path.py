@@ -124,20 +124,31 @@ def diagonal_band(call) -> tuple[Band | None, str | None]:
     return band, None
 
 
+def _may_hide_whole_rows(call) -> bool:
+    """Whether some query row may see no key at all. A causal or windowed row always sees its
+    diagonal key when cuDNN runs it (T <= S for windows, or padding mode), unless key lengths
+    cut that key off; masks (and segment ids) can hide anything."""
+    has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
+    return call.mask is not None or (call.local_window_size is not None and has_lengths)
+
+
 def _rows_seeing_nothing(call):
-    """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal or window."""
+    """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal, window or the
+    key/value lengths."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     keep = combined_mask(q_seq_len, kv_seq_len, mask=call.mask, is_causal=call.is_causal,
                          local_window_size=call.local_window_size,
+                         key_value_seq_lengths=call.key_value_seq_lengths,
                          diagonal_offset=call.diagonal_offset)
     return ~jnp.any(keep, axis=-1)
 
 
 def _uniform_rows(call, output, lse):
-    """Rows a mask hides entirely get the plain average of all values, as the reference path
-    (and jax.nn) give. A mask reaches cuDNN as a finite bias that in float16 does not swamp the
-    scores, so cuDNN's own rows there are not uniform; the where also sends those rows a zero
-    cotangent, so the backward matches the reference's gradient."""
+    """Rows that see no key get the plain average of all values, as the reference path (and
+    jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
+    does not swamp the scores, and rows emptied by padding are left to the kernel. The where
+    also sends those rows a zero cotangent, so the backward matches the reference's
+    gradient."""
     batch, q_seq_len, q_heads, _ = call.query.shape
     kv_heads = call.key.shape[2]
     empty = _rows_seeing_nothing(call)  # [B|1, N|1, T]
@@ -177,6 +188,6 @@ def run(call, deterministic: bool, band: Band):
                            deterministic=deterministic, dropout=call.dropout_rate)
     output, lse = cudnn_attention(call.query, call.key, call.value, bias, q_lengths, kv_lengths,
                                   seed, options)
-    if call.mask is not None:
+    if _may_hide_whole_rows(call):
         output, lse = _uniform_rows(call, output, lse)
     return output, lse

@@ -5,8 +5,10 @@
     layer = nnx.MultiHeadAttention(..., attention_fn=jax_sdpa.flax.dot_product_attention)
 
 Linen passes only the keywords this function names, NNX passes all of them (and ``is_causal``).
-Whatever fused attention cannot do (sowing attention weights, attention dropout in training,
-custom einsums) runs through Flax's own attention, with a one-time warning naming why.
+Attention dropout in training runs as jax_sdpa's dropout: one independent mask per batch entry
+and head (Flax's ``broadcast_dropout=True`` would share one mask across them). Whatever fused
+attention cannot do (sowing attention weights, custom einsums) runs through Flax's own
+attention, with a one-time warning naming why.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ def _fold_leading(array, batch_shape):
     return array.reshape((-1, *trailing))
 
 
-def _flax_fallback_reason(module, dropout_rate, deterministic, qk_attn_weights_einsum,
-                          attn_weights_value_einsum, einsum_dot_general):
+def _flax_fallback_reason(module, qk_attn_weights_einsum, attn_weights_value_einsum,
+                          einsum_dot_general):
     if module is not None:
         return "module= asks to sow the attention weights, which fused attention never forms"
-    if dropout_rate > 0.0 and not deterministic:
-        return "attention dropout (dropout_rate > 0, deterministic=False) is not in jax_sdpa yet"
     if any(f is not None for f in (qk_attn_weights_einsum, attn_weights_value_einsum,
                                    einsum_dot_general)):
         return "custom einsum functions need the explicit attention weights"
@@ -49,8 +49,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     mask (True = attend) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
     float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action."""
     del precision, force_fp32_for_softmax, promote_dtype
-    reason = _flax_fallback_reason(module, dropout_rate, deterministic, qk_attn_weights_einsum,
-                                   attn_weights_value_einsum, einsum_dot_general)
+    reason = _flax_fallback_reason(module, qk_attn_weights_einsum, attn_weights_value_einsum,
+                                   einsum_dot_general)
     if reason is not None:
         warn_once(f"jax_sdpa.flax: using Flax's attention because {reason}")
         if is_causal:
@@ -66,6 +66,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     batch_shape = query.shape[:-3]
     if mask is not None:
         mask = jnp.asarray(mask).astype(jnp.bool_)  # Flax's masks may be float (nonzero = attend)
+    dropping = dropout_rate > 0.0 and not deterministic
     return _attention.dot_product_attention(
         query, key, value, bias=_fold_leading(bias, batch_shape),
-        mask=_fold_leading(mask, batch_shape), is_causal=is_causal)
+        mask=_fold_leading(mask, batch_shape), is_causal=is_causal,
+        dropout_rate=float(dropout_rate) if dropping else 0.0,
+        dropout_rng=dropout_rng if dropping else None)

@@ -20,7 +20,10 @@ from conftest import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
 CASES = int(os.environ.get("JAX_SDPA_GPU_CASES", "300"))
-REGRESSIONS = []  # case numbers that once failed, run whatever JAX_SDPA_GPU_CASES says
+# Case numbers that once failed, run whatever JAX_SDPA_GPU_CASES says. 2026-11-29, first run
+# (cuDNN 9.19, H200): rows that see no key because of key lengths with a mask, segment ids or
+# a window (cuDNN left them to the kernel; now made uniform as in the reference path).
+REGRESSIONS = [0, 2, 17, 118, 122, 125, 134, 181, 240, 266, 268]
 
 
 def draw_problem(rng):

@@ -146,10 +146,11 @@ def test_dropout_gradient_matches_the_same_mask():
     assert_same(lambda *a: ours(*a, dropout_rate=rate, dropout_rng=key), fixed, (q, k, v),
                 d_out)
     # ... and dropping with probability 0.25 is 1/(1-0.25)-scaled masking of the weights.
-    probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 2, 2)) * 0.25, -1)
-    expected = jnp.einsum("bnts,bsnh->btnh", jnp.where(keep, probs / 0.75, 0.0),
-                          jnp.repeat(v, 2, 2))
-    assert relative_error(fixed(q, k, v), expected) < 1e-5
+    with jax.default_matmul_precision("float32"):
+        probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 2, 2)) * 0.25, -1)
+        expected = jnp.einsum("bnts,bsnh->btnh", jnp.where(keep, probs / 0.75, 0.0),
+                              jnp.repeat(v, 2, 2))
+        assert relative_error(fixed(q, k, v), expected) < 1e-5
 
 
 MASK_GRID = ["bias", "causal", "padding", "custom", "causal+padding", "custom+padding",

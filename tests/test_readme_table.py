@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import jax
 import jax.numpy as jnp
 
 from jax_sdpa import cudnn_support
@@ -12,14 +13,21 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 64
 
 
-def call(dtype=jnp.bfloat16, head_dim=H, q_seq=T, kv_heads=N, **kwargs):
+def call(dtype=jnp.bfloat16, head_dim=H, q_seq=T, kv_heads=N, value_head_dim=None, **kwargs):
     q = jnp.zeros((B, q_seq, N, head_dim), dtype)
-    kv = jnp.zeros((B, S, kv_heads, head_dim), dtype)
+    k = jnp.zeros((B, S, kv_heads, head_dim), dtype)
+    v = jnp.zeros((B, S, kv_heads, value_head_dim or head_dim), dtype)
     options = dict(bias=None, mask=None, scale=None, is_causal=False, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None)
     options.update(kwargs)
     bias, mask = options.pop("bias"), options.pop("mask")
-    return validate(q, kv, kv, bias, mask, implementation=None, **options)
+    return validate(q, k, v, bias, mask, implementation=None, **options)
+
+
+LENGTHS = dict(query_seq_lengths=jnp.full((B,), 3, jnp.int32),
+               key_value_seq_lengths=jnp.full((B,), 4, jnp.int32))
+BOTTOM_RIGHT = dict(is_causal=True, causal_alignment="bottom_right")
+DROPOUT = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
 
 
 # One example call per README row: the row's claim must be what call_reason says of it.
@@ -33,10 +41,26 @@ EXAMPLES = {
     "T ≠ S, lengths not multiples of 64": [call(q_seq=5)],
     "bias broadcastable to [B, N, T, S], with its gradient": [call(bias=jnp.zeros((1, N, T, S)))],
     "boolean mask broadcastable to [B, N, T, S]": [call(mask=jnp.ones((B, 1, 1, S), bool))],
-    "query_seq_lengths / key_value_seq_lengths": [
-        call(query_seq_lengths=jnp.full((B,), 3, jnp.int32),
-             key_value_seq_lengths=jnp.full((B,), 4, jnp.int32))],
-    "local_window_size (left, right)": [call(local_window_size=(3, 1))],
+    "a mask (or segment ids) that hides whole rows: uniform rows, as jax.nn": [
+        call(mask=jnp.zeros((B, 1, T, S), bool))],
+    "query_seq_lengths / key_value_seq_lengths": [call(**LENGTHS)],
+    "local_window_size (left, right), T ≤ S or with sequence lengths": [
+        call(local_window_size=(3, 1)), call(q_seq=12, local_window_size=(3, 1), **LENGTHS)],
+    "local_window_size with T > S and no sequence lengths": [
+        call(q_seq=12, local_window_size=(3, 1))],
+    "causal_alignment='bottom_right', T ≤ S": [
+        call(q_seq=5, **BOTTOM_RIGHT), call(q_seq=5, bias=jnp.zeros((1, N, 5, S)), **BOTTOM_RIGHT),
+        call(q_seq=5, local_window_size=(1, 0), **BOTTOM_RIGHT)],
+    "causal_alignment='bottom_right', T > S": [call(q_seq=12, **BOTTOM_RIGHT)],
+    "bottom-right window narrower than S − T, with a bias, mask, dropout or lengths": [
+        call(q_seq=5, local_window_size=(1, 0), bias=jnp.zeros((1, N, 5, S)), **BOTTOM_RIGHT),
+        call(q_seq=5, local_window_size=(1, 0), **DROPOUT, **BOTTOM_RIGHT)],
+    "dropout_rate / dropout_rng (attention dropout)": [call(**DROPOUT),
+                                                       call(is_causal=True, **DROPOUT)],
+    "query_segment_ids / kv_segment_ids (packed sequences)": [
+        call(query_segment_ids=jnp.zeros((B, T), jnp.int32), is_causal=True)],
+    "value head_dim ≠ query head_dim (each a multiple of 8, ≤ 256)": [
+        call(head_dim=192, value_head_dim=128), call(head_dim=64, value_head_dim=256)],
     "deterministic backward": [call()],
 }
 
