@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import _ffi
+from jax_sdpa import partitioning
 from jax_sdpa.reference import combined_mask, large_negative
 
 
@@ -29,6 +29,7 @@ class CudnnOptions:
     bias_grad: bool = False  # the bias is the user's (it has a gradient), not a mask's
     deterministic: bool = False
     dropout: float = 0.0  # probability of dropping a weight; > 0 needs a dropout seed
+    kernel: str = "cudnn"  # or "reference": the reference path, to test sharding on any backend
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -40,12 +41,12 @@ def cudnn_attention(query, key, value, bias, q_lengths, kv_lengths, dropout_seed
     bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths, kv_lengths: None or int32 [B];
     dropout_seed: None or uint32 [4] (Philox seed, then offset, as two int64) when dropout > 0.
     """
-    return _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed,
+    return partitioning.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed,
                              options)
 
 
 def _forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, options):
-    output, stats = _ffi.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths,
+    output, stats = partitioning.sdpa_forward(query, key, value, bias, q_lengths, kv_lengths,
                                       dropout_seed, options)
     residuals = (query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats)
     return (output, stats), residuals
@@ -59,7 +60,7 @@ def _backward(options, residuals, cotangents):
     query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats = residuals
     # The log-sum-exp is returned under stop_gradient, as jax.nn does: its cotangent is dropped.
     d_output, _ = cotangents
-    dq, dk, dv, dbias = _ffi.sdpa_backward(query, key, value, bias, q_lengths, kv_lengths,
+    dq, dk, dv, dbias = partitioning.sdpa_backward(query, key, value, bias, q_lengths, kv_lengths,
                                            dropout_seed, output, stats, d_output, options)
     if bias is not None and dbias is None:
         dbias = jnp.zeros_like(bias)  # a mask's bias: nothing upstream needs its gradient

@@ -1,0 +1,134 @@
+"""Sharding rules (jax_sdpa.partitioning) under jit: with q/k/v sharded over batch and/or heads
+each device runs the kernel on its shard, and the compiled program has no collective around it
+(the sum of a broadcast bias's gradient aside); any other layout is resharded, not refused.
+
+The "reference" kernel runs everywhere (CI: 8 CPU devices), through the same code path as
+cuDNN with only the kernel swapped; the "cudnn" kernel runs on however many GPUs are visible
+(a 1-device mesh on one GPU; nvidia-h200-x2 runs the 2-device meshes)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention, dropout_seed
+from conftest import relative_error
+
+B, T, N, K, H = 8, 64, 16, 8, 64
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+KERNELS = ["reference", pytest.param("cudnn", marks=pytest.mark.gpu)]
+
+
+def mesh_shapes():
+    n = len(jax.devices())
+    shapes = {(n, 1), (1, n)}
+    if n >= 4:
+        shapes.add((2, n // 2))
+    return sorted(shapes)
+
+
+def inputs(kernel, bias_shape=None):
+    dtype = jnp.bfloat16 if kernel == "cudnn" else jnp.float32
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, T, N, H)).astype(dtype)
+    k = jax.random.normal(keys[1], (B, T, K, H)).astype(dtype)
+    v = jax.random.normal(keys[2], (B, T, K, H)).astype(dtype)
+    d_out = jax.random.normal(keys[3], (B, T, N, H)).astype(dtype)
+    bias = None if bias_shape is None else jax.random.normal(keys[4], bias_shape).astype(dtype)
+    return q, k, v, d_out, bias
+
+
+def step_fn(kernel, with_bias, dropout=0.0):
+    """Forward and backward as one jitted program, returning every result (no scalar loss, so
+    no reduction of our own enters the compiled program)."""
+    options = CudnnOptions(scale=0.125, window_right=0, bias_grad=with_bias, kernel=kernel,
+                           dropout=dropout)
+
+    def step(q, k, v, d_out, bias):
+        seed = dropout_seed(jax.random.key(7)) if dropout else None
+        out, vjp = jax.vjp(lambda q, k, v, bias: cudnn_attention(
+            q, k, v, bias, None, None, seed, options)[0], q, k, v, bias)
+        return (out, *vjp(d_out))
+    return step
+
+
+def compiled_collectives(fn, args, shardings):
+    text = jax.jit(fn, in_shardings=shardings).lower(*args).compile().as_text()
+    return {op for op in COLLECTIVES if re.search(rf"\b{op}(-start)?\(", text)}
+
+
+def shard(mesh, spec, x):
+    return None if x is None else NamedSharding(mesh, spec)
+
+
+def check(kernel, mesh_shape, q_spec, kv_spec, bias_shape=None, bias_spec=P(),
+          allowed=frozenset()):
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+    q, k, v, d_out, bias = inputs(kernel, bias_shape)
+    step = step_fn(kernel, bias is not None)
+    shardings = tuple(shard(mesh, spec, x) for spec, x in
+                      ((q_spec, q), (kv_spec, k), (kv_spec, v), (q_spec, d_out),
+                       (bias_spec, bias)))
+    found = compiled_collectives(step, (q, k, v, d_out, bias), shardings)
+    assert found <= set(allowed), f"unexpected collectives {found - set(allowed)}"
+    sharded = jax.jit(step, in_shardings=shardings)(q, k, v, d_out, bias)
+    single = jax.jit(step)(q, k, v, d_out, bias)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), sharded, single):
+        if b is not None:
+            assert relative_error(a, b) < 1e-5, name
+    return sharded
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mesh_shape", mesh_shapes())
+@pytest.mark.parametrize("layout", ["batch", "heads", "batch+heads", "fsdp"])
+def test_batch_and_head_sharding_has_no_collectives(kernel, mesh_shape, layout):
+    spec = {"batch": P("data"), "heads": P(None, None, "model"),
+            "batch+heads": P("data", None, "model"),
+            "fsdp": P(("data", "model"))}[layout]  # batch over every device (FSDP activations)
+    check(kernel, mesh_shape, spec, spec)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bias_shape", [(1, N, T, T), (B, 1, T, T), (1, 1, T, T)])
+def test_replicated_or_sharded_bias_gets_a_reduced_gradient(kernel, bias_shape):
+    """A bias broadcast over the batch (or heads) is shared by the shards of that axis: its
+    gradient is summed over them (the only collective); a full bias shards with the query."""
+    mesh_shape = max(mesh_shapes(), key=lambda s: min(s))  # both axes > 1 where possible
+    spec = P("data", None, "model")
+    bias_spec = P("data" if bias_shape[0] > 1 else None, "model" if bias_shape[1] > 1 else None)
+    shared = (bias_shape[0] == 1 and mesh_shape[0] > 1) or (bias_shape[1] == 1 and
+                                                             mesh_shape[1] > 1)
+    check(kernel, mesh_shape, spec, spec, bias_shape, bias_spec,
+          allowed={"all-reduce"} if shared else set())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_mismatched_shardings_are_resharded(kernel):
+    """q over heads, k/v over batch, or the sequence axis sharded: the rule reshards (any
+    collective allowed) and the answer is the unsharded one."""
+    n = len(jax.devices())
+    everything = set(COLLECTIVES)
+    check(kernel, (n, 1), P(None, None, "data"), P("data"), allowed=everything)
+    check(kernel, (n, 1), P(None, "data"), P(None, "data"), allowed=everything)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dropout_under_sharding_runs_per_shard(kernel):
+    """Each shard drops with its own offset: two batch shards holding identical inputs do not
+    produce identical outputs."""
+    n = len(jax.devices())
+    if n < 2:
+        pytest.skip("needs two devices")
+    mesh = jax.make_mesh((n, 1), ("data", "model"))
+    q, k, v, d_out, _ = inputs(kernel)
+    q, k, v, d_out = (jnp.concatenate([x[:B // n]] * n) for x in (q, k, v, d_out))
+    spec = NamedSharding(mesh, P("data"))
+    out = jax.jit(step_fn(kernel, False, dropout=0.3), in_shardings=(spec,) * 4 + (None,))(
+        q, k, v, d_out, None)[0]
+    out = np.asarray(out, np.float32)
+    first, second = out[:B // n], out[B // n:2 * B // n]
+    assert np.all(np.isfinite(first)) and not np.allclose(first, second)
