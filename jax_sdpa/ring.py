@@ -1,13 +1,16 @@
 """Context-parallel (ring) attention over a sequence axis sharded with shard_map.
 
-Each device keeps its query block; key/value blocks travel around the ring (ppermute) and the
-partial outputs merge through their log-sum-exp. The backward is a ring too: it recomputes each
-block's probabilities from the *global* log-sum-exp, accumulates dq locally, and lets dk/dv
-travel with their key/value block back to its owner.
+Each device keeps its query block; key/value blocks travel around the ring (ppermute, issued a
+step ahead so XLA can overlap it with the current block's attention) and the partial outputs
+merge through their log-sum-exp. The backward is a ring too: cuDNN's backward of one key/value
+block, given the *global* output and log-sum-exp as its statistics, is that block's exact share
+of dq, dk, dv (dS = P * (dP - rowsum(dO * O)) with P from the global normaliser), so dq
+accumulates locally while dk/dv travel with their block back to its owner.
 
-Status: the block kernels here are pure JAX (float32); the cuDNN block kernels, load-balanced
-causal layouts (zigzag) and the GPU runs are open work (docs/NOTES.md, issue 6). Not in the
-README until they are done.
+Causal load balance: with layout="zigzag" device d holds sequence chunks d and 2P-1-d (of 2P),
+so every device does the same work at every step (zigzag_permute puts a sequence in that order,
+zigzag_unpermute takes it back). layout="contiguous" is the plain split: device d waits idle on
+the blocks after its own.
 
     from jax.sharding import PartitionSpec as P
     fn = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=True),
@@ -23,61 +26,88 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_FULL, _DIAGONAL, _SKIP = 0, 1, 2  # how a key/value block relates to the local query block
+from jax_sdpa import cudnn_support, partitioning
+from jax_sdpa.cudnn_path import CudnnOptions
+
+_FULL, _DIAGONAL, _SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
+LAYOUTS = ("contiguous", "zigzag")
 
 
-def _expand_heads(x, q_heads):
-    return jnp.repeat(x, q_heads // x.shape[2], axis=2)
+def _chunks(layout, device, size):
+    """Global indices of the sequence chunks a device holds, in local order."""
+    if layout == "zigzag":
+        return [device, 2 * size - 1 - device]
+    return [device]
 
 
-def _scores(q, k, scale, diagonal):
-    s = jnp.einsum("btnh,bsnh->bnts", q, _expand_heads(k, q.shape[2]),
-                   precision=lax.Precision.HIGHEST) * scale
-    if diagonal:  # the block on the diagonal: causal, top-left
-        t, n = s.shape[-2:]
-        s = jnp.where(jnp.tril(jnp.ones((t, n), bool)), s, -jnp.inf)
-    return s
+def _kind(query_chunk, key_chunk, is_causal):
+    if not is_causal:
+        return jnp.int32(_FULL)
+    return jnp.where(key_chunk == query_chunk, _DIAGONAL,
+                     jnp.where(key_chunk < query_chunk, _FULL, _SKIP))
 
 
-def _block_forward(q, k, v, scale, kind):
-    """(output float32 [B,T,N,H], lse [B,N,T]); a skipped block has lse -inf and output 0."""
-    if kind == _SKIP:  # shaped from the inputs, so that they vary over the mesh axis as they do
-        out = jnp.zeros_like(q[..., :1]) * jnp.zeros_like(v[:, :1, :1, :])
-        lse = jnp.full_like(q[..., 0], -jnp.inf).transpose(0, 2, 1)
-        return out, lse
-    s = _scores(q, k, scale, kind == _DIAGONAL)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
-    out = jnp.einsum("bnts,bsnh->btnh", p, _expand_heads(v, q.shape[2]),
-                     precision=lax.Precision.HIGHEST)
-    return out, lse
+def _split(x, parts):
+    return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
-def _block_backward(q, k, v, out, lse, d_out, scale, kind):
-    """This block's exact share of (dq, dk, dv), given the global output and lse."""
+def _block_forward(kernel, scale, kind, q, k, v):
+    """(output float32 [B,t,N,H], lse float32 [B,N,t]) of one chunk pair; a skipped pair has
+    lse -inf and output 0 (shaped from the inputs so they vary over the mesh as they do)."""
+    forward = partitioning.KERNELS[kernel][0]
     if kind == _SKIP:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    b, s_len, kv_heads, h = k.shape
+        out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros_like(v[:, :1, :1, :],
+                                                                      jnp.float32)
+        lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1)
+        return out, lse
+    options = CudnnOptions(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
+                           kernel=kernel)
+    if kernel == "reference":  # float32 blocks
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out, lse = forward(q, k, v, None, None, None, None, options)
+    return out.astype(jnp.float32), lse
+
+
+def _reference_block_backward(scale, kind, q, k, v, out, lse, d_out):
+    """The float32 reference of cuDNN's block backward under given (global) out and lse."""
+    q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
+    b, s_len, kv_heads, _ = k.shape
     groups = q.shape[2] // kv_heads
-    p = jnp.exp(_scores(q, k, scale, kind == _DIAGONAL) - lse[..., None])
+    expand = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
     hp = lax.Precision.HIGHEST
+    scores = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
+    if kind == _DIAGONAL:
+        t, n = scores.shape[-2:]
+        scores = jnp.where(jnp.tril(jnp.ones((t, n), bool)), scores, -jnp.inf)
+    p = jnp.exp(scores - lse[..., None])
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hp)
-    dp = jnp.einsum("btnh,bsnh->bnts", d_out, _expand_heads(v, q.shape[2]), precision=hp)
+    dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=hp)
     row_dot = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # D = rowsum(dO * O), [B,N,T]
     ds = p * (dp - row_dot[..., None])
-    dq = jnp.einsum("bnts,bsnh->btnh", ds, _expand_heads(k, q.shape[2]), precision=hp) * scale
+    dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=hp) * scale
     dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hp) * scale
     fold = lambda x: x.reshape(b, s_len, kv_heads, groups, x.shape[-1]).sum(3)  # noqa: E731
     return dq, fold(dk), fold(dv)
 
 
-def _block_kind(axis_name, step, is_causal):
-    """_FULL / _DIAGONAL / _SKIP for the block that arrives at this device at `step`."""
-    if not is_causal:
-        return jnp.int32(_FULL)
-    me = lax.axis_index(axis_name)
-    source = (me - step) % lax.axis_size(axis_name)
-    return jnp.where(source == me, _DIAGONAL, jnp.where(source < me, _FULL, _SKIP))
+def _block_backward(kernel, scale, kind, q, k, v, out, lse, d_out):
+    """One chunk pair's exact share of (dq, dk, dv), float32, given the global out and lse."""
+    if kind == _SKIP:
+        return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
+                jnp.zeros_like(v, jnp.float32))
+    if kernel == "reference":
+        return _reference_block_backward(scale, kind, q, k, v, out, lse, d_out)
+    backward = partitioning.KERNELS[kernel][1]
+    options = CudnnOptions(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
+                           kernel=kernel)
+    dq, dk, dv, _ = backward(q, k, v, None, None, None, None, out.astype(q.dtype), lse,
+                             d_out.astype(q.dtype), options)
+    return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
+
+
+def _switch(kind, kernel, scale, block_fn, *args):
+    branches = [functools.partial(block_fn, kernel, scale, k) for k in (_FULL, _DIAGONAL, _SKIP)]
+    return lax.switch(kind, branches, *args)
 
 
 def _ring_permutation(axis_name):
@@ -85,66 +115,117 @@ def _ring_permutation(axis_name):
     return [(j, (j + 1) % size) for j in range(size)]
 
 
-def _ring_forward_pass(q, k, v, axis_name, is_causal, scale):
-    q32, kb, vb = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = None, None
-    for step in range(lax.axis_size(axis_name)):
-        if step:
-            kb, vb = lax.ppermute((kb, vb), axis_name, _ring_permutation(axis_name))
-        branches = [functools.partial(_block_forward, scale=scale, kind=kind)
-                    for kind in (_FULL, _DIAGONAL, _SKIP)]
-        block_out, block_lse = lax.switch(_block_kind(axis_name, step, is_causal), branches,
-                                          q32, kb, vb)
-        if out is None:  # step 0 is the local block: never skipped, every row sees a key
-            out, lse = block_out, block_lse
-            continue
-        merged = jnp.logaddexp(lse, block_lse)
-        weight = lambda x: jnp.exp(x - merged).transpose(0, 2, 1)[..., None]  # noqa: E731
-        out = out * weight(lse) + block_out * weight(block_lse)
-        lse = merged
-    return out, lse
+def _merge(out, lse, block_out, block_lse):
+    if out is None:
+        return block_out, block_lse
+    merged = jnp.logaddexp(lse, block_lse)
+    # Rows that no block has reached yet have lse -inf on both sides: keep them at 0.
+    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)
+    weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]  # noqa: E731
+    return out * weight(lse) + block_out * weight(block_lse), merged
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q, k, v, axis_name, is_causal, scale):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale)
+def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel):
+    size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    parts = len(_chunks(layout, 0, 1))
+    q_chunks = _split(q, parts)
+    outs, lses = [None] * parts, [None] * parts
+    kb, vb = k, v
+    for step in range(size):
+        # Issued before this step's attention, which does not need it: XLA may overlap them.
+        following = (lax.ppermute((kb, vb), axis_name, _ring_permutation(axis_name))
+                     if step + 1 < size else None)
+        source = (me - step) % size
+        for i, (q_chunk, q_index) in enumerate(zip(q_chunks, _chunks(layout, me, size))):
+            for k_chunk, v_chunk, k_index in zip(_split(kb, parts), _split(vb, parts),
+                                                  _chunks(layout, source, size)):
+                block = _switch(_kind(q_index, k_index, is_causal), kernel, scale,
+                                _block_forward, q_chunk, k_chunk, v_chunk)
+                outs[i], lses[i] = _merge(outs[i], lses[i], *block)
+        if following is not None:
+            kb, vb = following
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
+
+def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout, kernel):
+    size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    parts = len(_chunks(layout, 0, 1))
+    q_chunks, out_chunks, d_out_chunks = (_split(x, parts) for x in (q, out, d_out))
+    lse_chunks = jnp.split(lse, parts, axis=2) if parts > 1 else [lse]
+    dq = [jnp.zeros_like(c, jnp.float32) for c in q_chunks]
+    kb, vb = k, v
+    dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    permutation = _ring_permutation(axis_name)
+    for step in range(size):
+        following = lax.ppermute((kb, vb), axis_name, permutation) if step + 1 < size else None
+        source = (me - step) % size
+        dk_chunks, dv_chunks = _split(dk, parts), _split(dv, parts)
+        for j, (k_chunk, v_chunk, k_index) in enumerate(zip(
+                _split(kb, parts), _split(vb, parts), _chunks(layout, source, size))):
+            for i, q_index in enumerate(_chunks(layout, me, size)):
+                block_dq, block_dk, block_dv = _switch(
+                    _kind(q_index, k_index, is_causal), kernel, scale, _block_backward,
+                    q_chunks[i], k_chunk, v_chunk, out_chunks[i], lse_chunks[i],
+                    d_out_chunks[i])
+                dq[i] = dq[i] + block_dq
+                dk_chunks[j] = dk_chunks[j] + block_dk
+                dv_chunks[j] = dv_chunks[j] + block_dv
+        dk, dv = jnp.concatenate(dk_chunks, axis=1), jnp.concatenate(dv_chunks, axis=1)
+        # The dk/dv accumulators travel with their key/value block (home after the last step).
+        dk, dv = lax.ppermute((dk, dv), axis_name, permutation)
+        if following is not None:
+            kb, vb = following
+    return jnp.concatenate(dq, axis=1), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring(q, k, v, axis_name, is_causal, scale, layout, kernel):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, axis_name, is_causal, scale):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale)
+def _ring_fwd(q, k, v, axis_name, is_causal, scale, layout, kernel):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel)
     return (out.astype(q.dtype), lse), (q, k, v, out, lse)
 
 
-def _ring_bwd(axis_name, is_causal, scale, residuals, cotangents):
+def _ring_bwd(axis_name, is_causal, scale, layout, kernel, residuals, cotangents):
     q, k, v, out, lse = residuals
-    d_out = cotangents[0].astype(jnp.float32)  # the lse carries no gradient, as elsewhere
-    q32, kb, vb = (x.astype(jnp.float32) for x in (q, k, v))
-    dq = jnp.zeros_like(q32)
-    dk, dv = jnp.zeros_like(kb), jnp.zeros_like(vb)
-    permutation = _ring_permutation(axis_name)
-    for step in range(lax.axis_size(axis_name)):
-        if step:  # the dk/dv accumulators travel with their key/value block
-            kb, vb, dk, dv = lax.ppermute((kb, vb, dk, dv), axis_name, permutation)
-        branches = [functools.partial(_block_backward, scale=scale, kind=kind)
-                    for kind in (_FULL, _DIAGONAL, _SKIP)]
-        block_dq, block_dk, block_dv = lax.switch(_block_kind(axis_name, step, is_causal),
-                                                  branches, q32, kb, vb, out, lse, d_out)
-        dq, dk, dv = dq + block_dq, dk + block_dk, dv + block_dv
-    dk, dv = lax.ppermute((dk, dv), axis_name, permutation)  # home to the block's owner
+    d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
+    dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale,
+                                     layout, kernel)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
-                   return_residual=False):
-    """Attention over a sequence split in contiguous blocks along mesh axis `axis_name`.
+def _kernel(query, key, implementation):
+    """"cudnn" where the block attention can run there, else the reference path."""
+    if implementation == "xla":
+        return "reference"
+    reason = cudnn_support.device_reason()
+    head_dim = query.shape[-1]
+    if reason is None and (query.dtype not in cudnn_support.CUDNN_DTYPES or head_dim % 8 or
+                           head_dim > cudnn_support.MAX_HEAD_DIM):
+        reason = f"dtype {query.dtype} / head_dim {head_dim} is not a cuDNN block"
+    if reason is None:
+        return "cudnn"
+    if implementation == "cudnn":
+        raise NotImplementedError(f"implementation='cudnn' cannot run this ring: {reason}")
+    return "reference"
 
-    Call inside shard_map with query [B, T/P, N, H] and key/value [B, S/P, K, H] blocks (T = S
-    when causal; device i holds block i). Returns the local output block (and, with
-    return_residual, the float32 log-sum-exp [B, T/P, N] of the global softmax rows).
+
+def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
+                   return_residual=False, layout="contiguous", implementation=None):
+    """Attention over a sequence split along mesh axis `axis_name`; call inside shard_map.
+
+    query [B, T/P, N, H] and key/value [B, S/P, K, H] are this device's blocks (T = S when
+    causal). layout="contiguous": device d holds block d; "zigzag": device d holds chunks d and
+    2P-1-d of 2P (causal load balance; see zigzag_permute). implementation: None (cuDNN block
+    kernels where they can run, else the reference path), "cudnn" or "xla". Returns the local
+    output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the global
+    softmax rows).
     """
     if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"ring_attention takes [B, T, N, H] blocks, got {query.shape}, "
@@ -155,8 +236,32 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     if is_causal and query.shape[1] != key.shape[1]:
         raise ValueError("causal ring_attention needs equal query and key/value blocks, got "
                          f"{query.shape[1]} and {key.shape[1]}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
+        raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
+                         f"{key.shape[1]}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale)
+    kernel = _kernel(query, key, implementation)
+    out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout, kernel)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)
     return out
+
+
+def zigzag_permute(x, num_devices, axis=1):
+    """Reorders the sequence axis so that a contiguous split over num_devices gives device d
+    the chunks d and 2P-1-d: the layout ring_attention(layout="zigzag") expects."""
+    chunks = jnp.split(x, 2 * num_devices, axis=axis)
+    order = [c for d in range(num_devices) for c in (d, 2 * num_devices - 1 - d)]
+    return jnp.concatenate([chunks[i] for i in order], axis=axis)
+
+
+def zigzag_unpermute(x, num_devices, axis=1):
+    """The inverse of zigzag_permute."""
+    chunks = jnp.split(x, 2 * num_devices, axis=axis)
+    order = [c for d in range(num_devices) for c in (d, 2 * num_devices - 1 - d)]
+    inverse = [0] * len(order)
+    for position, chunk in enumerate(order):
+        inverse[chunk] = position
+    return jnp.concatenate([chunks[inverse[i]] for i in range(len(order))], axis=axis)

@@ -1,5 +1,6 @@
 """Ring attention under shard_map matches single-device attention: outputs, log-sum-exp and
-gradients. Runs on the host devices (tests/conftest.py asks for eight)."""
+gradients, contiguous and zigzag layouts. The reference-kernel tests run on the host devices
+(tests/conftest.py asks for eight); the cuDNN-kernel tests on however many GPUs are visible."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_sdpa
-from jax_sdpa.ring import ring_attention
+from jax_sdpa import _ffi
+from jax_sdpa.ring import ring_attention, zigzag_permute, zigzag_unpermute
 from conftest import random_qkv, relative_error
 
 
@@ -19,31 +21,81 @@ def cpu_mesh(size):
     return Mesh(np.array(devices[:size]), ("seq",))
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_ring_matches_single_device(devices, is_causal, kv_heads):
-    mesh = cpu_mesh(devices)
-    q, k, v, d_out = random_qkv(devices + kv_heads, 2, 64, 64, 4, kv_heads, 16, jnp.float32)
+def ring_and_single(mesh, is_causal, layout, implementation=None):
+    """(ring fn, single-device fn) on global [B, S, N, H] arrays; the zigzag ring sees the
+    sequence in zigzag order and gives it back in the natural one."""
     spec = P(None, "seq")
-    q, k, v, d_out = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out))
-    ring = jax.jit(jax.shard_map(
+    size = mesh.shape["seq"]
+    ring_blocks = jax.shard_map(
         lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=is_causal,
-                                       return_residual=True),
-        mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+                                       return_residual=True, layout=layout,
+                                       implementation=implementation),
+        mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+
+    def ring(q, k, v):
+        if layout == "zigzag":
+            q, k, v = (zigzag_permute(x, size) for x in (q, k, v))
+        out, lse = ring_blocks(q, k, v)
+        if layout == "zigzag":
+            out, lse = zigzag_unpermute(out, size), zigzag_unpermute(lse, size)
+        return out, lse
 
     def single(q, k, v):
-        return jax_sdpa.dot_product_attention(q, k, v, is_causal=is_causal, implementation="xla",
+        up = [x.astype(jnp.float32) for x in (q, k, v)]
+        return jax_sdpa.dot_product_attention(*up, is_causal=is_causal, implementation="xla",
                                               return_residual=True)
+    return jax.jit(ring), single
+
+
+def compare(ring, single, q, k, v, d_out, out_tol, grad_tol):
     with jax.default_matmul_precision("float32"):
         (out, lse), vjp = jax.vjp(ring, q, k, v)
         (out_ref, lse_ref), vjp_ref = jax.vjp(single, q, k, v)
         grads = vjp((d_out, jnp.zeros_like(lse)))
-        grads_ref = vjp_ref((d_out, jnp.zeros_like(lse_ref)))
-    assert relative_error(out, out_ref) < 1e-5
-    assert relative_error(lse, lse_ref) < 1e-5
+        grads_ref = vjp_ref((d_out.astype(jnp.float32), jnp.zeros_like(lse_ref)))
+    assert relative_error(out, out_ref) < out_tol
+    assert relative_error(lse, lse_ref) < out_tol
     for name, a, b in zip(("dq", "dk", "dv"), grads, grads_ref):
-        assert relative_error(a, b) < 1e-4, name
+        assert relative_error(a, b) < grad_tol, name
+
+
+@pytest.mark.parametrize("devices,layout", [(1, "contiguous"), (2, "contiguous"),
+                                            (4, "contiguous"), (8, "contiguous"),
+                                            (2, "zigzag"), (4, "zigzag")])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_ring_matches_single_device(devices, layout, is_causal, kv_heads):
+    mesh = cpu_mesh(devices)
+    q, k, v, d_out = random_qkv(devices + kv_heads, 2, 64, 64, 4, kv_heads, 16, jnp.float32)
+    spec = NamedSharding(mesh, P(None, "seq"))
+    q, k, v, d_out = (jax.device_put(x, spec) for x in (q, k, v, d_out))
+    ring, single = ring_and_single(mesh, is_causal, layout)
+    compare(ring, single, q, k, v, d_out, 1e-5, 1e-4)
+
+
+def test_zigzag_permute_round_trips():
+    x = jnp.arange(2 * 24).reshape(2, 24)
+    np.testing.assert_array_equal(zigzag_unpermute(zigzag_permute(x, 3), 3), x)
+    np.testing.assert_array_equal(zigzag_permute(jnp.arange(8)[None], 2)[0], [0, 1, 6, 7, 2, 3, 4, 5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_on_gpus_with_cudnn_blocks(is_causal, layout):
+    """Every visible GPU in the ring (one on nvidia-h200, two on nvidia-h200-x2), bf16 blocks
+    on our cuDNN kernels (checked in the compiled program), GQA, against float32."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("seq",))
+    q, k, v, d_out = random_qkv(5, 2, 512 * len(devices), 512 * len(devices), 8, 2, 128,
+                                jnp.bfloat16)
+    spec = NamedSharding(mesh, P(None, "seq"))
+    q, k, v, d_out = (jax.device_put(x, spec) for x in (q, k, v, d_out))
+    ring, single = ring_and_single(mesh, is_causal, layout, implementation="cudnn")
+    text = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v)[0].astype(jnp.float32).sum())).lower(
+        q, k, v).compile().as_text()
+    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    compare(ring, single, q, k, v, d_out, 1e-2, 2e-2)
 
 
 def test_ring_bf16_is_close_to_float32():
@@ -63,6 +115,8 @@ def test_ring_bf16_is_close_to_float32():
 
 def test_ring_rejects_bad_blocks():
     q = jnp.zeros((1, 8, 4, 16))
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, q, q, axis_name="seq", layout="striped")
     with pytest.raises(ValueError, match="multiple"):
         ring_attention(q, q[:, :, :3], q[:, :, :3], axis_name="seq")
     with pytest.raises(ValueError, match="causal"):
