@@ -39,8 +39,10 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x):
         batch, seq, features = x.shape
-        qkv = self.qkv(x).reshape(batch, seq, 3, self.n_head, features // self.n_head)
-        y = ATTENTION[self.attention](qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        # Head-major columns ([head, q/k/v, dim]): a tensor-parallel split of the qkv columns
+        # over devices is then a split over heads (examples/sharded_training.py).
+        qkv = self.qkv(x).reshape(batch, seq, self.n_head, 3, features // self.n_head)
+        y = ATTENTION[self.attention](qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
         return self.proj(y.reshape(batch, seq, features))
 
 
@@ -69,8 +71,11 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
-        x = self.token_embed(tokens) + self.position_embed(jnp.arange(tokens.shape[1]))
+    def __call__(self, tokens, positions=None):
+        """positions: each token's position (default 0..T-1; a permuted sequence, as the
+        zigzag ring layout makes, passes its own)."""
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+        x = self.token_embed(tokens) + self.position_embed(positions)
         for block in self.blocks:
             x = block(x)
         return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32)  # tied output layer

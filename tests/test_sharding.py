@@ -22,6 +22,11 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 KERNELS = ["reference", pytest.param("cudnn", marks=pytest.mark.gpu)]
 
 
+def auto_mesh(shape, names):
+    """jit + NamedSharding as most code uses it: the compiler propagates shardings (Shardy)."""
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
 def mesh_shapes():
     n = len(jax.devices())
     shapes = {(n, 1), (1, n)}
@@ -66,7 +71,7 @@ def shard(mesh, spec, x):
 
 def check(kernel, mesh_shape, q_spec, kv_spec, bias_shape=None, bias_spec=P(),
           allowed=frozenset()):
-    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+    mesh = auto_mesh(mesh_shape, ("data", "model"))
     q, k, v, d_out, bias = inputs(kernel, bias_shape)
     step = step_fn(kernel, bias is not None)
     shardings = tuple(shard(mesh, spec, x) for spec, x in
@@ -123,7 +128,7 @@ def test_dropout_under_sharding_runs_per_shard(kernel):
     n = len(jax.devices())
     if n < 2:
         pytest.skip("needs two devices")
-    mesh = jax.make_mesh((n, 1), ("data", "model"))
+    mesh = auto_mesh((n, 1), ("data", "model"))
     q, k, v, d_out, _ = inputs(kernel)
     q, k, v, d_out = (jnp.concatenate([x[:B // n]] * n) for x in (q, k, v, d_out))
     spec = NamedSharding(mesh, P("data"))
