@@ -148,3 +148,35 @@ def test_export_round_trip_runs_in_a_fresh_process(tmp_path):
         np.save("{tmp_path}/out.npy", np.asarray(restored.call(*args), np.float32))
     """)
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
+
+
+def test_two_gpus_at_once_keep_their_own_graphs_and_handles():
+    """On a machine with two or more GPUs: each GPU runs its own shape from its own thread at
+    the same time; each gets the answer it gets alone (graphs and cuDNN handles are per device:
+    a handle bound to the other GPU's stream would fail or corrupt)."""
+    gpus = jax.devices()
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    work = {}
+    for index, (device, seq_len) in enumerate(zip(gpus[:2], (192, 320))):
+        step, args = fwd_bwd(seq_len)
+        args = tuple(jax.device_put(x, device) for x in args)
+        work[index] = (step, args, to_numpy(step(*args)))
+    failures = []
+
+    def worker(index):
+        step, args, alone = work[index]
+        try:
+            for _ in range(20):
+                results = step(*args)
+                assert all(x.devices() == {args[0].devices().pop()} for x in results)
+                for got, want in zip(to_numpy(results), alone):
+                    np.testing.assert_array_equal(got, want)
+        except Exception as error:  # noqa: BLE001
+            failures.append((index, repr(error)[:500]))
+    threads = [threading.Thread(target=worker, args=(i,)) for i in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
