@@ -1,0 +1,52 @@
+"""The core GPU cases, forward and backward, for compute-sanitizer (scripts/sanitize.sh):
+every feature that changes what the kernels read or write (bias and dbias, lengths, windows,
+dropout, value head_dim, GQA, vmap repeats) at small sizes, each checked for finiteness."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sdpa
+
+B, T, S, N, K, H = 2, 128, 192, 4, 2, 64
+CASES = {
+    "seed-like causal fp16": dict(dtype=jnp.float16, kwargs=dict(is_causal=True)),
+    "bias with dbias": dict(bias=(1, N, T, S), kwargs=dict(is_causal=True)),
+    "mask + lengths": dict(mask=True, kwargs=dict(
+        query_seq_lengths=jnp.array([T, 77], jnp.int32),
+        key_value_seq_lengths=jnp.array([150, S], jnp.int32))),
+    "window + bottom-right": dict(kwargs=dict(is_causal=True, causal_alignment="bottom_right",
+                                              local_window_size=(16, 0))),
+    "dropout": dict(kwargs=dict(dropout_rate=0.2, dropout_rng=jax.random.key(0))),
+    "value head_dim 128": dict(value_head_dim=128, kwargs=dict(is_causal=True)),
+}
+
+
+def run_case(name, spec):
+    dtype = spec.get("dtype", jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(len(name)), 5)
+    hv = spec.get("value_head_dim", H)
+    q = jax.random.normal(keys[0], (B, T, N, H)).astype(dtype)
+    k = jax.random.normal(keys[1], (B, S, K, H)).astype(dtype)
+    v = jax.random.normal(keys[2], (B, S, K, hv)).astype(dtype)
+    d_out = jax.random.normal(keys[3], (B, T, N, hv)).astype(dtype)
+    bias = jax.random.normal(keys[4], spec["bias"]) if "bias" in spec else None
+    mask = (jax.random.uniform(keys[4], (B, 1, T, S)) > 0.3) if spec.get("mask") else None
+
+    def fn(q, k, v, bias):
+        return jax_sdpa.dot_product_attention(q, k, v, bias=bias, mask=mask,
+                                              implementation="cudnn", **spec["kwargs"])
+    out, vjp = jax.vjp(jax.jit(fn), q, k, v, bias)
+    results = (out, *vjp(d_out))
+    finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all())
+                 for x in results if x is not None)
+    print(f"{name}: {'ok' if finite else 'NON-FINITE'}", flush=True)
+    return finite
+
+
+if __name__ == "__main__":
+    assert all([run_case(name, spec) for name, spec in CASES.items()])
+    vmapped = jax.jit(jax.vmap(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, implementation="cudnn")))
+    print("vmap:", bool(np.isfinite(np.asarray(vmapped(jnp.ones((3, 2, 64, 4, 64),
+                                                                  jnp.bfloat16)))).all()))
