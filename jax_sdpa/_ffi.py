@@ -105,6 +105,36 @@ def poison_outputs():
         _poison_outputs = previous
 
 
+def _varying_like(results, operands):
+    """Inside shard_map, marks our results as varying over every mesh axis an operand varies
+    over (ffi_call leaves them unmarked), so they type-check like any other per-device value
+    (lax.switch branches, out_specs)."""
+    axes = set()
+    for x in operands:
+        axes |= _varying_axes(x)
+    if not axes:
+        return tuple(results)
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # JAX < 0.9
+    return tuple(cast(x) for x in results)
+
+
+def _varying_axes(x) -> set:
+    """The manual mesh axes x varies over (JAX >= 0.10 keeps them in aval.mat.varying, earlier
+    releases in aval.vma)."""
+    aval = jax.typeof(x)
+    varying = getattr(getattr(aval, "mat", None), "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", ())
+    return set(varying or ())
+
+
 def _attributes(options, *, has_bias: bool, has_lengths: bool,
                 dump_dropout_mask: bool = False) -> dict:
     return dict(scale=np.float32(options.scale), window_left=np.int64(options.window_left),
@@ -150,11 +180,12 @@ def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, o
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     call = jax.ffi.ffi_call(FORWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
-    results = call(query, key, value,
-                   *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options),
-                   **_attributes(options, has_bias=bias is not None,
-                                 has_lengths=q_lengths is not None, dump_dropout_mask=dump))
-    return tuple(results) if dump else (results[0], results[1])
+    operands = (query, key, value,
+                *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
+    results = _varying_like(call(*operands, **_attributes(
+        options, has_bias=bias is not None, has_lengths=q_lengths is not None,
+        dump_dropout_mask=dump)), operands)
+    return results if dump else results[:2]
 
 
 def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats,
@@ -166,8 +197,8 @@ def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, 
     if with_dbias:
         result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
-    results = call(query, key, value, output, stats, d_output.astype(output.dtype),
-                   *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options),
-                   **_attributes(options, has_bias=bias is not None,
-                                 has_lengths=q_lengths is not None))
+    operands = (query, key, value, output, stats, d_output.astype(output.dtype),
+                *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
+    results = _varying_like(call(*operands, **_attributes(
+        options, has_bias=bias is not None, has_lengths=q_lengths is not None)), operands)
     return (*results[:3], results[3] if with_dbias else None)

@@ -120,3 +120,20 @@ def test_export_with_the_declared_custom_calls(monkeypatch):
     text = restored.mlir_module()
     assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
     assert "cudnn$fmha" not in text
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
+    """Our custom calls inside shard_map type-check as per-device values (lax.switch branches,
+    out_specs) and the ring's fwd+bwd lowers to them for CUDA."""
+    from jax.sharding import Mesh, PartitionSpec as P  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax_sdpa.ring import ring_attention  # noqa: PLC0415
+    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+    ring = jax.shard_map(lambda q, k, v: ring_attention(
+        q, k, v, axis_name="seq", is_causal=True, layout=layout, implementation="cudnn"),
+        mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grad, x, x, x)

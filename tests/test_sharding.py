@@ -83,7 +83,10 @@ def check(kernel, mesh_shape, q_spec, kv_spec, bias_shape=None, bias_spec=P(),
     single = jax.jit(step)(q, k, v, d_out, bias)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), sharded, single):
         if b is not None:
-            assert relative_error(a, b) < 1e-5, name
+            # Per-shard results are the single device's bit for bit; a dbias summed over
+            # shards adds in another order (bf16 on cuDNN).
+            tol = 1e-2 if (name == "dbias" and kernel == "cudnn") else 1e-5
+            assert relative_error(a, b) < tol, name
     return sharded
 
 
