@@ -200,11 +200,22 @@ def _ring_bwd(axis_name, is_causal, scale, layout, kernel, residuals, cotangents
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _mesh_platform(x):
+    """The platform of the mesh x is sharded over inside shard_map ("cpu", "gpu", ...), or
+    None where this JAX does not say."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    device = getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None)
+
+
 def _kernel(query, key, implementation):
     """"cudnn" where the block attention can run there, else the reference path."""
     if implementation == "xla":
         return "reference"
     reason = cudnn_support.device_reason()
+    platform = _mesh_platform(query)
+    if reason is None and platform not in (None, "gpu", "cuda"):
+        reason = f"the ring's mesh is on {platform} devices"
     head_dim = query.shape[-1]
     if reason is None and (query.dtype not in cudnn_support.CUDNN_DTYPES or head_dim % 8 or
                            head_dim > cudnn_support.MAX_HEAD_DIM):

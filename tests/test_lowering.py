@@ -128,8 +128,10 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     out_specs) and the ring's fwd+bwd lowers to them for CUDA."""
     from jax.sharding import Mesh, PartitionSpec as P  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
+    from jax_sdpa import ring as ring_module  # noqa: PLC0415
     from jax_sdpa.ring import ring_attention  # noqa: PLC0415
     monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    monkeypatch.setattr(ring_module, "_mesh_platform", lambda x: "gpu")  # host devices here
     mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
     ring = jax.shard_map(lambda q, k, v: ring_attention(
         q, k, v, axis_name="seq", is_causal=True, layout=layout, implementation="cudnn"),
