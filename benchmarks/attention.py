@@ -58,15 +58,21 @@ def time_once(fn, inputs):
     return (time.perf_counter() - start) / CALLS
 
 
-def bench_config(config, rounds):
+def relative_error(a, b):
+    a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def bench_config(config, rounds, command_buffers=False):
     inputs = make_inputs(config, seed=0)
-    impls = available(config)
+    impls = available(config, command_buffers)
     fns = {(name, mode): fn for name, attention in impls.items()
            for mode, fn in timed_functions(attention, config.causal).items()}
-    first_call = {}
+    first_call, first_out = {}, {}
     for key, fn in fns.items():
         start = time.perf_counter()
-        jax.block_until_ready(fn(inputs))  # compile + graph build, excluded from the rounds
+        # compile + graph build, excluded from the rounds; the answer is checked below
+        first_out[key] = jax.block_until_ready(fn(inputs))[0]
         first_call[key] = time.perf_counter() - start
         jax.block_until_ready(fn(inputs))
     samples = {key: [] for key in fns}
@@ -77,9 +83,13 @@ def bench_config(config, rounds):
     for (name, mode), times in samples.items():
         seconds = statistics.median(times)
         flops = config.forward_flops() * (1 if mode == "fwd" else 3.5)
+        # Correct first: every implementation's first output against jax.nn's cuDNN path's.
+        ours, base = first_out[(name, mode)], first_out[("jax.nn cudnn", mode)]
         rows.append(dict(config=config.name, impl=name, mode=mode, ms=seconds * 1e3,
                          tflops=flops / seconds / 1e12, spread=(max(times) - min(times)) / seconds,
-                         first_call_s=first_call[(name, mode)]))
+                         first_call_s=first_call[(name, mode)],
+                         error_vs_jax_nn=relative_error(jax.tree.leaves(ours)[0],
+                                                        jax.tree.leaves(base)[0])))
     for row in rows:
         base = next(r for r in rows if r["impl"] == "jax.nn cudnn" and r["mode"] == row["mode"])
         fa3 = [r for r in rows if r["impl"] == "flash-attn3-jax" and r["mode"] == row["mode"]]
@@ -116,6 +126,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--label", default="", help="appended to the header, e.g. XLA flags")
+    parser.add_argument("--command-buffers", action="store_true",
+                        help="also time jax_sdpa with JAX_SDPA_COMMAND_BUFFERS=1")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the S=32k peak-memory comparison")
     args = parser.parse_args(argv)
@@ -128,7 +140,7 @@ def main(argv=None):
     rows = []
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
-        rows.extend(bench_config(config, args.rounds))
+        rows.extend(bench_config(config, args.rounds, args.command_buffers))
     table = markdown(rows)
     memory = [] if args.no_memory else memory_rows(MEMORY_CONFIG)
     if memory:

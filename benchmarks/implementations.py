@@ -1,8 +1,25 @@
 """The attention functions under test, each as f(q, k, v, causal) -> output, [B, S, N, H]."""
 
+import contextlib
+import os
+
 import jax
 
 import jax_sdpa
+
+
+@contextlib.contextmanager
+def _command_buffers():
+    """Traces inside pick jax_sdpa's command-buffer compatible targets (experimental)."""
+    previous = os.environ.get("JAX_SDPA_COMMAND_BUFFERS")
+    os.environ["JAX_SDPA_COMMAND_BUFFERS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["JAX_SDPA_COMMAND_BUFFERS"]
+        else:
+            os.environ["JAX_SDPA_COMMAND_BUFFERS"] = previous
 
 
 def _jax_nn(implementation):
@@ -16,9 +33,16 @@ def _jax_sdpa(q, k, v, causal):
     return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-def available(config):
+def _jax_sdpa_command_buffers(q, k, v, causal):
+    with _command_buffers():
+        return _jax_sdpa(q, k, v, causal)
+
+
+def available(config, command_buffers=False):
     """{name: function} of the implementations that can run `config` here."""
     found = {"jax_sdpa": _jax_sdpa, "jax.nn cudnn": _jax_nn("cudnn")}
+    if command_buffers:
+        found["jax_sdpa cmdbuf"] = _jax_sdpa_command_buffers
     try:
         from flash_attn3_jax import flash_mha  # noqa: PLC0415 - optional peer
     except ImportError:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 
 def markdown(rows):
-    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 | first call s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 | first call s "
+             "| rel. error vs jax.nn |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fa3 = f"{r['vs_flash_attn3']:.3f}" if r["vs_flash_attn3"] is not None else "–"
         lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "
                      f"{r['tflops']:.0f} | {r['vs_jax_nn_cudnn']:.3f} | {fa3} | "
-                     f"{r['first_call_s']:.2f} |")
+                     f"{r['first_call_s']:.2f} | {r.get('error_vs_jax_nn', float('nan')):.1e} |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "capture_mode.h"
+
 namespace jax_sdpa {
 namespace {
 
@@ -61,6 +63,7 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
     ++stats_.hits;
   } else {
     // A failed build is not remembered: the next call with this config tries again.
+    RelaxedCaptureMode relaxed;  // the first call may come while XLA captures the stream
     JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(config, handle, &entry->graph));
     std::lock_guard<std::mutex> guard(mutex_);
     ++stats_.builds;

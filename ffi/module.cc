@@ -22,6 +22,10 @@ NB_MODULE(_sdpa_ffi, m) {
     nb::dict targets;
     targets["jax_sdpa_forward"] = EncapsulateHandler(jax_sdpa::SdpaForwardHandler);
     targets["jax_sdpa_backward"] = EncapsulateHandler(jax_sdpa::SdpaBackwardHandler);
+    targets["jax_sdpa_forward_cmdbuf"] =
+        EncapsulateHandler(jax_sdpa::SdpaForwardCommandBufferHandler);
+    targets["jax_sdpa_backward_cmdbuf"] =
+        EncapsulateHandler(jax_sdpa::SdpaBackwardCommandBufferHandler);
     return targets;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); },

@@ -28,6 +28,7 @@ struct Options {
   float dropout;
   bool dump_dropout_mask;
   bool poison_outputs;
+  bool command_buffer;  // registered as command-buffer compatible: graph-owned workspace
 };
 
 std::string DimsToString(ffi::Span<const int64_t> dims) {
@@ -217,12 +218,16 @@ ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& gr
   return ffi::Error::Success();
 }
 
-// Looks up (or builds) the graph and allocates its workspace, holding the device's handle.
+// Looks up (or builds) the graph and finds its workspace, holding the device's handle. In a
+// command buffer the call's kernels replay after this call returns, so the workspace must
+// outlive it: the graph's own.
 ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                        const CallPlan& plan, CudnnHandleLease* lease,
+                        const CallPlan& plan, const Options& options, CudnnHandleLease* lease,
                         std::shared_ptr<SdpaGraph>* graph, void** workspace) {
   JAX_SDPA_RETURN_IF_ERROR(AcquireCudnnHandle(plan.config.device, stream, lease));
-  JAX_SDPA_RETURN_IF_ERROR(GraphCache::Global().GetOrBuild(plan.config, lease->handle, stream, graph));
+  JAX_SDPA_RETURN_IF_ERROR(
+      GraphCache::Global().GetOrBuild(plan.config, lease->handle, stream, graph));
+  if (options.command_buffer) return (*graph)->PersistentWorkspace(workspace);
   return AllocateWorkspace(scratch, **graph, workspace);
 }
 
@@ -314,7 +319,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     CudnnHandleLease lease;
     std::shared_ptr<SdpaGraph> graph;
     void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, &lease, &graph, &workspace));
+    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, options, &lease, &graph, &workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       ForwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
@@ -360,7 +365,7 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
     CudnnHandleLease lease;
     std::shared_ptr<SdpaGraph> graph;
     void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, &lease, &graph, &workspace));
+    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, options, &lease, &graph, &workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       BackwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
@@ -391,40 +396,51 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_lengths"), ::xla::ffi::StructMember<bool>("bias_grad"),
     ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<float>("dropout"),
     ::xla::ffi::StructMember<bool>("dump_dropout_mask"),
-    ::xla::ffi::StructMember<bool>("poison_outputs"));
+    ::xla::ffi::StructMember<bool>("poison_outputs"),
+    ::xla::ffi::StructMember<bool>("command_buffer"));
 
 namespace jax_sdpa {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardHandler, SdpaForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .RemainingArgs()  // [bias], [q_lengths, kv_lengths], [seed]
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // stats
-                                  .RemainingRets()        // [dropout_mask] (tests)
-                                  .Attrs<Options>());
+auto ForwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::ScratchAllocator>()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [seed]
+      .Ret<ffi::AnyBuffer>()  // o
+      .Ret<ffi::AnyBuffer>()  // stats
+      .RemainingRets()        // [dropout_mask] (tests)
+      .Attrs<Options>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardHandler, SdpaBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // stats
-                                  .Arg<ffi::AnyBuffer>()  // d_o
-                                  .RemainingArgs()  // [bias], [q_lengths, kv_lengths], [seed]
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .RemainingRets()        // [dbias]
-                                  .Attrs<Options>());
+auto BackwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::ScratchAllocator>()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // o
+      .Arg<ffi::AnyBuffer>()  // stats
+      .Arg<ffi::AnyBuffer>()  // d_o
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [seed]
+      .Ret<ffi::AnyBuffer>()  // dq
+      .Ret<ffi::AnyBuffer>()  // dk
+      .Ret<ffi::AnyBuffer>()  // dv
+      .RemainingRets()        // [dbias]
+      .Attrs<Options>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardHandler, SdpaForward, ForwardBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardHandler, SdpaBackward, BackwardBinding());
+// The same handlers, which XLA may record into its command buffers (CUDA graphs).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardCommandBufferHandler, SdpaForward, ForwardBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardCommandBufferHandler, SdpaBackward, BackwardBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_sdpa

@@ -15,6 +15,15 @@ import numpy as np
 
 FORWARD_TARGET = "jax_sdpa_forward"
 BACKWARD_TARGET = "jax_sdpa_backward"
+# The same handlers, marked command-buffer compatible (XLA may record them into CUDA graphs):
+# opt-in with JAX_SDPA_COMMAND_BUFFERS=1, read when a function is traced. Experimental
+# (docs/PERFORMANCE.md): each graph then owns its workspace, so calls of one shape must stay
+# ordered on one stream, as XLA's single compute stream keeps them.
+COMMAND_BUFFER_SUFFIX = "_cmdbuf"
+
+
+def command_buffers() -> bool:
+    return os.environ.get("JAX_SDPA_COMMAND_BUFFERS", "") == "1"
 
 # Test-only: when set, the handlers fill their outputs with NaN before cuDNN runs, so a test can
 # prove every element was written. Read at trace time.
@@ -80,8 +89,9 @@ def export_disabled_checks() -> list:
     jax.export.export(jax.jit(f), disabled_checks=jax_sdpa.export_disabled_checks())."""
     from jax import export  # noqa: PLC0415
 
-    return [export.DisabledSafetyCheck.custom_call(name)
-            for name in (FORWARD_TARGET, BACKWARD_TARGET)]
+    return [export.DisabledSafetyCheck.custom_call(name + suffix)
+            for name in (FORWARD_TARGET, BACKWARD_TARGET)
+            for suffix in ("", COMMAND_BUFFER_SUFFIX)]
 
 
 def cudnn_version() -> int:
@@ -143,7 +153,11 @@ def _attributes(options, *, has_bias: bool, has_lengths: bool,
                 has_lengths=has_lengths, bias_grad=bool(options.bias_grad),
                 deterministic=bool(options.deterministic),
                 dropout=np.float32(options.dropout), dump_dropout_mask=dump_dropout_mask,
-                poison_outputs=bool(_poison_outputs))
+                poison_outputs=bool(_poison_outputs), command_buffer=command_buffers())
+
+
+def _target(name):
+    return name + COMMAND_BUFFER_SUFFIX if command_buffers() else name
 
 
 def _optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options):
@@ -179,7 +193,8 @@ def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, o
             jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len, kv_seq_len), jnp.float32))
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
-    call = jax.ffi.ffi_call(FORWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_target(FORWARD_TARGET), tuple(result_types),
+                            vmap_method="broadcast_all")
     operands = (query, key, value,
                 *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
     results = _varying_like(call(*operands, **_attributes(
@@ -196,7 +211,8 @@ def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, 
     with_dbias = bias is not None and options.bias_grad
     if with_dbias:
         result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(result_types), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_target(BACKWARD_TARGET), tuple(result_types),
+                            vmap_method="broadcast_all")
     operands = (query, key, value, output, stats, d_output.astype(output.dtype),
                 *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
     results = _varying_like(call(*operands, **_attributes(

@@ -172,7 +172,8 @@ def _partitioned(kernel_fn, layout, inputs, outputs, reduce_dbias):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_call(options, layout):
+def _forward_call(options, layout, command_buffers):
+    del command_buffers  # part of the cache key only: it picks the FFI target at trace time
     inputs = ["q", "k", "v", *layout.optional_names()]
     forward = KERNELS[options.kernel][0]
 
@@ -185,7 +186,8 @@ def _forward_call(options, layout):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_call(options, layout):
+def _backward_call(options, layout, command_buffers):
+    del command_buffers  # as in _forward_call
     inputs = ["q", "k", "v", "o", "stats", "d_o", *layout.optional_names()]
     with_dbias = layout.has_bias and options.bias_grad
     outputs = ["dq", "dk", "dv"] + (["dbias"] if with_dbias else [])
@@ -205,7 +207,8 @@ def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, o
     """The kernel's forward with sharding rules: (output, stats float32 [B, N, T])."""
     layout = _layout(query, key, bias, q_lengths, dropout_seed)
     optional = [x for x in (bias, q_lengths, kv_lengths, dropout_seed) if x is not None]
-    return tuple(_forward_call(options, layout)(query, key, value, *optional))
+    call = _forward_call(options, layout, _ffi.command_buffers())
+    return tuple(call(query, key, value, *optional))
 
 
 def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats,
@@ -213,6 +216,6 @@ def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, 
     """The kernel's backward with sharding rules: (dq, dk, dv, dbias or None)."""
     layout = _layout(query, key, bias, q_lengths, dropout_seed)
     optional = [x for x in (bias, q_lengths, kv_lengths, dropout_seed) if x is not None]
-    results = _backward_call(options, layout)(query, key, value, output, stats,
-                                              d_output.astype(output.dtype), *optional)
+    results = _backward_call(options, layout, _ffi.command_buffers())(
+        query, key, value, output, stats, d_output.astype(output.dtype), *optional)
     return (*results[:3], results[3] if len(results) > 3 else None)

@@ -14,7 +14,9 @@ from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
 
 def test_extension_loads_and_reports_cudnn():
     module = _ffi.extension()
-    assert set(module.registrations()) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    plain = {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    assert set(module.registrations()) == plain | {
+        name + _ffi.COMMAND_BUFFER_SUFFIX for name in plain}
     assert module.cudnn_header_version() >= 90000
 
 
@@ -139,3 +141,16 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grad, x, x, x)
+
+
+def test_command_buffer_targets_are_opt_in(monkeypatch):
+    """JAX_SDPA_COMMAND_BUFFERS=1 (read at trace time) lowers to the command-buffer compatible
+    twins of our targets, with the command_buffer attribute set; the default does not."""
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grad, q, q, q)
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
+    suffix = _ffi.COMMAND_BUFFER_SUFFIX
+    fresh = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2))  # a new trace: jit caches by fn
+    assert {_ffi.FORWARD_TARGET + suffix, _ffi.BACKWARD_TARGET + suffix} <= custom_calls(
+        fresh, q, q, q)
