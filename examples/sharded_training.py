@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt2_model  # noqa: E402
 from gpt2_model import GPT, GPTConfig  # noqa: E402
 from stdlib_text import load_stdlib_bytes, random_batch, train_validation_split  # noqa: E402
+from train_gpt2 import make_train_step  # noqa: E402
 
 from jax_sdpa.ring import ring_attention, zigzag_permute  # noqa: E402
 
@@ -100,15 +101,7 @@ def main(argv=None):
     permute = ((lambda x: zigzag_permute(x, n)) if args.mode == "sequence" else (lambda x: x))
     positions = permute(jnp.arange(args.seq_len)[None])[0]
 
-    def loss_fn(params, x, y):
-        logits = nnx.merge(graphdef, params)(x, positions)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def train_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    train_step, _ = make_train_step(graphdef, optimizer, positions)
 
     data, _ = train_validation_split(load_stdlib_bytes(4 * 2**20))
     rng = np.random.default_rng(0)

@@ -55,9 +55,11 @@ def parse_args(argv=None):
     return argparse.Namespace(**settings)
 
 
-def make_train_step(graphdef, optimizer):
+def make_train_step(graphdef, optimizer, positions=None):
+    """(jitted train step, jitted loss); positions: the tokens' positions when the sequence is
+    permuted (examples/sharded_training.py's zigzag layout), else 0..T-1."""
     def loss_fn(params, x, y):
-        logits = nnx.merge(graphdef, params)(x)
+        logits = nnx.merge(graphdef, params)(x, positions)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit

@@ -57,3 +57,15 @@ def assert_close_to_reference(ours, ref, context="", out_tol=1e-2, grad_tol=2e-2
         tol = out_tol if name == "output" else grad_tol
         error = relative_error(a, b)
         assert error < tol, f"{context} {name}: relative error {error:.2e} >= {tol}".strip()
+
+
+def assert_same_function(fn_a, fn_b, args, d_out, tol=1e-5):
+    """fn_a and fn_b agree on `args`: output shape, dtype and values, and every gradient, by
+    relative error. Full float32 matmuls on both sides (a GPU's default precision is TF32)."""
+    with jax.default_matmul_precision("float32"):
+        out_a, vjp_a = jax.vjp(fn_a, *args)
+        out_b, vjp_b = jax.vjp(fn_b, *args)
+        pairs = [(out_a, out_b), *zip(vjp_a(d_out), vjp_b(d_out))]
+    assert out_a.shape == out_b.shape and out_a.dtype == out_b.dtype
+    for a, b in pairs:
+        assert relative_error(a, b) < tol

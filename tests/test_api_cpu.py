@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import random_qkv, relative_error
+from conftest import assert_same_function, random_qkv, relative_error
 
 SHAPES = [  # (B, T, S, N, K, H)
     (2, 16, 16, 4, 4, 32),  # MHA
@@ -26,25 +26,13 @@ def theirs(*args, **kwargs):
     return jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)
 
 
-def assert_same_function(fn_ours, fn_theirs, q, k, v, d_out, tol=1e-5):
-    # Full float32 matmuls for both sides: on a GPU jax.nn's default precision is TF32.
-    with jax.default_matmul_precision("float32"):
-        out_ours, vjp_ours = jax.vjp(fn_ours, q, k, v)
-        out_theirs, vjp_theirs = jax.vjp(fn_theirs, q, k, v)
-        grads = list(zip(vjp_ours(d_out), vjp_theirs(d_out)))
-    assert out_ours.shape == out_theirs.shape and out_ours.dtype == out_theirs.dtype
-    assert relative_error(out_ours, out_theirs) < tol
-    for grad_ours, grad_theirs in grads:
-        assert relative_error(grad_ours, grad_theirs) < tol
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_matches_jax_nn(shape, is_causal):
     b, t, s, n, kh, h = shape
     q, k, v, d_out = random_qkv(0, b, t, s, n, kh, h, jnp.float32)
     assert_same_function(lambda *a: ours(*a, is_causal=is_causal, scale=0.3),
-                         lambda *a: theirs(*a, is_causal=is_causal, scale=0.3), q, k, v, d_out)
+                         lambda *a: theirs(*a, is_causal=is_causal, scale=0.3), (q, k, v), d_out)
 
 
 @pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "window_causal",
@@ -68,7 +56,7 @@ def test_options_match_jax_nn(option):
     if "causal" in option:
         kwargs["is_causal"] = True
     assert_same_function(lambda *a: ours(*a, **kwargs), lambda *a: theirs(*a, **kwargs),
-                         q, k, v, d_out)
+                         (q, k, v), d_out)
 
 
 def test_jit_vmap_checkpoint():
@@ -76,7 +64,7 @@ def test_jit_vmap_checkpoint():
     stack = lambda x: jnp.stack([x, 2 * x, -x])  # noqa: E731
     fn = jax.jit(jax.vmap(jax.checkpoint(lambda *a: ours(*a, is_causal=True))))
     ref = jax.vmap(lambda *a: theirs(*a, is_causal=True))
-    assert_same_function(fn, ref, stack(q), stack(k), stack(v), stack(d_out))
+    assert_same_function(fn, ref, (stack(q), stack(k), stack(v)), stack(d_out))
 
 
 def test_rank3_and_rank5_inputs():

@@ -34,27 +34,36 @@ def to_numpy(results):
     return [np.asarray(x, np.float32) for x in results]
 
 
+def run_in_threads(worker, items):
+    """worker(item) in one thread per item, all at once; returns [(item, error)] of failures."""
+    failures = []
+
+    def guarded(item):
+        try:
+            worker(item)
+        except Exception as error:  # noqa: BLE001 - reported by the caller, with its item
+            failures.append((item, repr(error)[:500]))
+    threads = [threading.Thread(target=guarded, args=(item,)) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
+
+
 def test_threads_get_the_answers_of_one_thread():
     """8 threads, each at its own shape, 10 calls each: every result equals, bit for bit, the
     one computed alone (deterministic backward), and nothing crashes."""
     shapes = [64 + 48 * i for i in range(8)]
     steps = {s: fwd_bwd(s) for s in shapes}
     alone = {s: to_numpy(step(*args)) for s, (step, args) in steps.items()}
-    failures = []
 
     def worker(seq_len):
         step, args = steps[seq_len]
-        try:
-            for _ in range(10):
-                for got, want in zip(to_numpy(step(*args)), alone[seq_len]):
-                    np.testing.assert_array_equal(got, want)
-        except Exception as error:  # noqa: BLE001 - reported below with its shape
-            failures.append((seq_len, repr(error)[:500]))
-    threads = [threading.Thread(target=worker, args=(s,)) for s in shapes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+        for _ in range(10):
+            for got, want in zip(to_numpy(step(*args)), alone[seq_len]):
+                np.testing.assert_array_equal(got, want)
+    failures = run_in_threads(worker, shapes)
     assert not failures, failures
 
 
@@ -162,21 +171,13 @@ def test_two_gpus_at_once_keep_their_own_graphs_and_handles():
         step, args = fwd_bwd(seq_len)
         args = tuple(jax.device_put(x, device) for x in args)
         work[index] = (step, args, to_numpy(step(*args)))
-    failures = []
 
     def worker(index):
         step, args, alone = work[index]
-        try:
-            for _ in range(20):
-                results = step(*args)
-                assert all(x.devices() == {args[0].devices().pop()} for x in results)
-                for got, want in zip(to_numpy(results), alone):
-                    np.testing.assert_array_equal(got, want)
-        except Exception as error:  # noqa: BLE001
-            failures.append((index, repr(error)[:500]))
-    threads = [threading.Thread(target=worker, args=(i,)) for i in work]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+        for _ in range(20):
+            results = step(*args)
+            assert all(x.devices() == {args[0].devices().pop()} for x in results)
+            for got, want in zip(to_numpy(results), alone):
+                np.testing.assert_array_equal(got, want)
+    failures = run_in_threads(worker, list(work))
     assert not failures, failures

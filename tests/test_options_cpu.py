@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import random_qkv, relative_error
+from conftest import assert_same_function, random_qkv, relative_error
 
 
 def ours(*args, **kwargs):
@@ -17,16 +17,6 @@ def ours(*args, **kwargs):
 
 def jax_nn(*args, **kwargs):
     return jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)
-
-
-def assert_same(fn_a, fn_b, args, d_out, tol=1e-5):
-    with jax.default_matmul_precision("float32"):
-        out_a, vjp_a = jax.vjp(fn_a, *args)
-        out_b, vjp_b = jax.vjp(fn_b, *args)
-        pairs = [(out_a, out_b), *zip(vjp_a(d_out), vjp_b(d_out))]
-    assert out_a.shape == out_b.shape
-    for a, b in pairs:
-        assert relative_error(a, b) < tol
 
 
 @pytest.mark.parametrize("t,s", [(5, 12), (12, 12), (12, 5)])
@@ -40,14 +30,14 @@ def test_bottom_right_alignment_is_a_shifted_mask(t, s, window):
     mask = j <= i
     if window is not None:
         mask &= (j >= i - window[0]) & (j <= i + window[1])
-    assert_same(lambda *a: ours(*a, is_causal=True, causal_alignment="bottom_right",
+    assert_same_function(lambda *a: ours(*a, is_causal=True, causal_alignment="bottom_right",
                                 local_window_size=window),
                 lambda *a: jax_nn(*a, mask=jnp.asarray(mask)[None, None]), (q, k, v), d_out)
 
 
 def test_top_left_alignment_is_the_default():
     q, k, v, d_out = random_qkv(4, 2, 6, 10, 2, 2, 8, jnp.float32)
-    assert_same(lambda *a: ours(*a, is_causal=True, causal_alignment="top_left"),
+    assert_same_function(lambda *a: ours(*a, is_causal=True, causal_alignment="top_left"),
                 lambda *a: jax_nn(*a, is_causal=True), (q, k, v), d_out)
 
 
@@ -66,7 +56,7 @@ def test_segment_ids_are_a_block_diagonal_mask(is_causal):
     q, k, v, d_out = random_qkv(5, b, t, t, n, 2, h, jnp.float32)
     ids = random_segments(np.random.default_rng(1), b, t, 3)
     mask = ids[:, None, :, None] == ids[:, None, None, :]
-    assert_same(lambda *a: ours(*a, query_segment_ids=jnp.asarray(ids), is_causal=is_causal),
+    assert_same_function(lambda *a: ours(*a, query_segment_ids=jnp.asarray(ids), is_causal=is_causal),
                 lambda *a: jax_nn(*a, mask=jnp.asarray(mask), is_causal=is_causal),
                 (q, k, v), d_out)
 
@@ -89,7 +79,7 @@ def test_segment_ids_with_different_lengths():
     q_ids = jnp.asarray(np.array([[0, 0, 1, 1, 1, 2]] * b), jnp.int32)
     kv_ids = jnp.asarray(np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]] * b), jnp.int32)
     mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
-    assert_same(lambda *a: ours(*a, query_segment_ids=q_ids, kv_segment_ids=kv_ids),
+    assert_same_function(lambda *a: ours(*a, query_segment_ids=q_ids, kv_segment_ids=kv_ids),
                 lambda *a: jax_nn(*a, mask=mask), (q, k, v), d_out)
 
 
@@ -105,7 +95,7 @@ def test_value_head_dim_differs(h, hv):
         logits = jnp.einsum("btnh,bsnh->bnts", q, k_rep) / np.sqrt(h)
         logits = jnp.where(np.tril(np.ones((t, s), bool)), logits, -jnp.inf)
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, -1), v_rep)
-    assert_same(lambda *a: ours(*a, is_causal=True), oracle, (q, k, v), d_out)
+    assert_same_function(lambda *a: ours(*a, is_causal=True), oracle, (q, k, v), d_out)
 
 
 def dropout_inputs():
@@ -143,7 +133,7 @@ def test_dropout_gradient_matches_the_same_mask():
     def fixed(q, k, v):  # the same computation with the mask as a constant
         return jax_sdpa.attention_reference(q, k, v, scale=0.25, dropout_rate=rate,
                                             dropout_keep=keep)[0]
-    assert_same(lambda *a: ours(*a, dropout_rate=rate, dropout_rng=key), fixed, (q, k, v),
+    assert_same_function(lambda *a: ours(*a, dropout_rate=rate, dropout_rng=key), fixed, (q, k, v),
                 d_out)
     # ... and dropping with probability 0.25 is 1/(1-0.25)-scaled masking of the weights.
     with jax.default_matmul_precision("float32"):
@@ -182,5 +172,5 @@ def test_jax_nn_mask_grid(case):
         kwargs["query_seq_lengths"] = lengths
         kwargs["key_value_seq_lengths"] = jnp.array([s, 11], jnp.int32)
         valid = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
-    assert_same(lambda *a: ours(*a, **kwargs) * valid, lambda *a: jax_nn(*a, **kwargs) * valid,
+    assert_same_function(lambda *a: ours(*a, **kwargs) * valid, lambda *a: jax_nn(*a, **kwargs) * valid,
                 (q, k, v), d_out)
