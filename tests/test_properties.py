@@ -14,10 +14,12 @@ from hypothesis import strategies as st  # noqa: E402
 import jax_sdpa  # noqa: E402
 
 
-def oracle(q, k, v, bias, mask, scale, is_causal, q_lengths, kv_lengths, window):
-    """float64 attention from the written contract: (output [B,T,N,H], lse [B,T,N])."""
+def oracle(q, k, v, bias, mask, scale, is_causal, q_lengths, kv_lengths, window,
+           bottom_right=False, q_segments=None, kv_segments=None):
+    """float64 attention from the written contract: (output [B,T,N,Hv], lse [B,T,N])."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, n, h = q.shape
+    b, t, n, _ = q.shape
+    h = v.shape[-1]
     s, kh = k.shape[1], k.shape[2]
     k = np.repeat(k, n // kh, axis=2)
     v = np.repeat(v, n // kh, axis=2)
@@ -27,7 +29,10 @@ def oracle(q, k, v, bias, mask, scale, is_causal, q_lengths, kv_lengths, window)
     keep = np.ones((b, n, t, s), bool)
     if mask is not None:
         keep &= np.asarray(mask)
-    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    if q_segments is not None:
+        keep &= (q_segments[:, None, :, None] == kv_segments[:, None, None, :])
+    # bottom-right: query i sits at key i + S - T
+    i, j = np.arange(t)[:, None] + (s - t if bottom_right else 0), np.arange(s)[None, :]
     if is_causal:
         keep &= j <= i
     if window is not None:
@@ -68,8 +73,14 @@ def attention_problems(draw):
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(b, t, n, h)).astype(np.float32)
     k = rng.normal(size=(b, s, kh, h)).astype(np.float32)
-    v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
+    hv = draw(st.sampled_from([h, 8, 32]))  # the value head_dim may differ
+    v = rng.normal(size=(b, s, kh, hv)).astype(np.float32)
     kwargs = dict(is_causal=draw(st.booleans()))
+    if draw(st.booleans()):
+        kwargs["causal_alignment"] = "bottom_right"
+    if draw(st.booleans()):
+        kwargs["query_segment_ids"] = np.sort(rng.integers(0, 3, (b, t)), 1).astype(np.int32)
+        kwargs["kv_segment_ids"] = np.sort(rng.integers(0, 3, (b, s)), 1).astype(np.int32)
     if draw(st.booleans()):
         kwargs["scale"] = draw(st.floats(0.05, 1.0))
     if draw(st.booleans()):
@@ -99,7 +110,8 @@ def test_reference_path_matches_the_contract(problem):
     expected, expected_lse = oracle(
         q, k, v, kwargs.get("bias"), kwargs.get("mask"), scale, kwargs["is_causal"],
         kwargs.get("query_seq_lengths"), kwargs.get("key_value_seq_lengths"),
-        kwargs.get("local_window_size"))
+        kwargs.get("local_window_size"), kwargs.get("causal_alignment") == "bottom_right",
+        kwargs.get("query_segment_ids"), kwargs.get("kv_segment_ids"))
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-5)
     defined = ~np.isnan(expected_lse)
     np.testing.assert_allclose(np.asarray(lse)[defined], expected_lse[defined], rtol=2e-4,
