@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-MIN_JAX = (0, 6, 0)  # jax.ffi.ffi_call with vmap_method, and jax.shard_map
+# The oldest JAX we have run (0.10.2 on CPU, 0.11.2 on GPU): the sharding rules (Shardy
+# custom_partitioning rules, custom_vmap), shard_map's varying-axes types (aval.mat) and
+# lax.pcast are recent APIs.
+MIN_JAX = (0, 10, 0)
 
 
 def parse_version(text: str) -> tuple[int, ...]:

@@ -10,6 +10,6 @@ def test_parse_version(text, expected):
 
 
 def test_old_jax_is_a_clear_import_error():
-    with pytest.raises(ImportError, match=r"jax >= 0\.6\.0.*found jax 0\.4\.35"):
-        versions.check_jax("0.4.35")
-    versions.check_jax("0.6.0")
+    with pytest.raises(ImportError, match=r"jax >= 0\.10\.0.*found jax 0\.9\.1"):
+        versions.check_jax("0.9.1")
+    versions.check_jax("0.10.0")
