@@ -44,16 +44,21 @@ def device_reason() -> str | None:
     return None
 
 
-def call_reason(call: AttentionCall) -> str | None:
-    """None if cuDNN can run this (validated) call, else why not. Ignores the device."""
-    dtype = call.query.dtype
+def kernel_reason(dtype, head_dims) -> str | None:
+    """None if cuDNN's kernels take this dtype and these (name, head_dim) pairs, else why not."""
     if dtype not in CUDNN_DTYPES:
         return f"dtype {dtype} is not float16 or bfloat16"
-    for name, head_dim in (("head_dim", call.query.shape[-1]),
-                           ("value head_dim", call.value.shape[-1])):
+    for name, head_dim in head_dims:
         if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
             return f"{name} {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
-    return diagonal_band(call)[1]
+    return None
+
+
+def call_reason(call: AttentionCall) -> str | None:
+    """None if cuDNN can run this (validated) call, else why not. Ignores the device."""
+    reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
+                                              ("value head_dim", call.value.shape[-1])))
+    return reason or diagonal_band(call)[1]
 
 
 def unsupported_reason(call: AttentionCall) -> str | None:

@@ -208,7 +208,7 @@ def _mesh_platform(x):
     return getattr(device, "platform", None)
 
 
-def _kernel(query, key, implementation):
+def _kernel(query, value, implementation):
     """"cudnn" where the block attention can run there, else the reference path."""
     if implementation == "xla":
         return "reference"
@@ -216,10 +216,9 @@ def _kernel(query, key, implementation):
     platform = _mesh_platform(query)
     if reason is None and platform not in (None, "gpu", "cuda"):
         reason = f"the ring's mesh is on {platform} devices"
-    head_dim = query.shape[-1]
-    if reason is None and (query.dtype not in cudnn_support.CUDNN_DTYPES or head_dim % 8 or
-                           head_dim > cudnn_support.MAX_HEAD_DIM):
-        reason = f"dtype {query.dtype} / head_dim {head_dim} is not a cuDNN block"
+    if reason is None:
+        reason = cudnn_support.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
+                                                           ("value head_dim", value.shape[-1])))
     if reason is None:
         return "cudnn"
     if implementation == "cudnn":
@@ -253,7 +252,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    kernel = _kernel(query, key, implementation)
+    kernel = _kernel(query, value, implementation)
     out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout, kernel)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)

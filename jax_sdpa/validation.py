@@ -35,7 +35,6 @@ class AttentionCall:
     diagonal_offset: int = 0
     dropout_rate: float = 0.0
     dropout_rng: jnp.ndarray | None = None  # a single PRNG key when dropout_rate > 0
-    has_segments: bool = False  # segment ids were folded into `mask`
 
 
 def _as_array(value, name):
@@ -72,17 +71,20 @@ def _broadcastable_4d(array, target, name):
     return array
 
 
-def _seq_lengths(lengths, batch, name):
-    if lengths is None:
-        return None
+def _int32_array(value, name, shape, shape_text):
+    """value as an int32 array of exactly `shape` ([batch] lengths, [batch, seq] segment ids)."""
     # The caller's dtype, read before jnp.asarray would quietly narrow int64 to int32.
-    given_dtype = getattr(lengths, "dtype", None)
-    lengths = _as_array(lengths, name)
-    if (given_dtype if given_dtype is not None else lengths.dtype) != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {given_dtype or lengths.dtype}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"{name} must have shape [batch] = ({batch},), got {lengths.shape}")
-    return lengths
+    given_dtype = getattr(value, "dtype", None)
+    array = _as_array(value, name)
+    if (given_dtype if given_dtype is not None else array.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
+    if array.shape != shape:
+        raise ValueError(f"{name} must have shape {shape_text} = {shape}, got {array.shape}")
+    return array
+
+
+def _seq_lengths(lengths, batch, name):
+    return None if lengths is None else _int32_array(lengths, name, (batch,), "[batch]")
 
 
 def _window(local_window_size):
@@ -102,17 +104,6 @@ def _window(local_window_size):
     return window
 
 
-def _segment_ids(ids, batch, length, name):
-    given_dtype = getattr(ids, "dtype", None)
-    ids = _as_array(ids, name)
-    if (given_dtype if given_dtype is not None else ids.dtype) != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {given_dtype or ids.dtype}")
-    if ids.shape != (batch, length):
-        raise ValueError(f"{name} must have shape [batch, seq] = ({batch}, {length}), got "
-                         f"{ids.shape}")
-    return ids
-
-
 def _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len):
     """[B, 1, T, S] boolean: a query attends only to keys of its own segment (document)."""
     if query_segment_ids is None and kv_segment_ids is None:
@@ -124,8 +115,9 @@ def _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_le
             raise ValueError("kv_segment_ids is required when the query and key/value sequence "
                              f"lengths differ ({q_seq_len} vs {kv_seq_len})")
         kv_segment_ids = query_segment_ids
-    q_ids = _segment_ids(query_segment_ids, batch, q_seq_len, "query_segment_ids")
-    kv_ids = _segment_ids(kv_segment_ids, batch, kv_seq_len, "kv_segment_ids")
+    q_ids = _int32_array(query_segment_ids, "query_segment_ids", (batch, q_seq_len),
+                         "[batch, seq]")
+    kv_ids = _int32_array(kv_segment_ids, "kv_segment_ids", (batch, kv_seq_len), "[batch, seq]")
     return (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
 
 
@@ -218,5 +210,5 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         local_window_size=_window(local_window_size),
         output_shape=output_shape,
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
-        dropout_rate=rate, dropout_rng=rng, has_segments=segments is not None,
+        dropout_rate=rate, dropout_rng=rng,
     )
