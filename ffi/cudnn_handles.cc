@@ -9,6 +9,7 @@ namespace {
 struct DeviceHandle {
   std::mutex mutex;
   cudnnHandle_t handle = nullptr;
+  cudaStream_t stream = nullptr;  // the stream the handle is bound to
 };
 
 // Sets the current device for one scope and restores the caller's afterwards.
@@ -57,7 +58,10 @@ ffi::Error AcquireCudnnHandle(int32_t device, cudaStream_t stream, CudnnHandleLe
   if (entry.handle == nullptr) {
     JAX_SDPA_RETURN_IF_ERROR(CreateHandle(device, &entry.handle));
   }
-  JAX_SDPA_CUDNN_CHECK(cudnnSetStream(entry.handle, stream));
+  if (entry.stream != stream) {  // XLA calls come on one stream per device: rebind rarely
+    JAX_SDPA_CUDNN_CHECK(cudnnSetStream(entry.handle, stream));
+    entry.stream = stream;
+  }
   lease->handle = entry.handle;
   lease->lock = std::move(lock);
   return ffi::Error::Success();

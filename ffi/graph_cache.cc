@@ -39,7 +39,7 @@ GraphCache& GraphCache::Global() {
 }
 
 ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
-                                  cudaStream_t stream, std::shared_ptr<SdpaGraph>* graph) {
+                                  std::shared_ptr<SdpaGraph>* graph) {
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -47,28 +47,42 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
     if (found != entries_.end()) {
       entry = found->second;
       recency_.splice(recency_.begin(), recency_, entry->recency);
+      if (entry->graph) {
+        CountHit();
+        *graph = entry->graph;
+        return ffi::Error::Success();
+      }
     } else {
       entry = std::make_shared<Entry>();
       recency_.push_front(config);
       entry->recency = recency_.begin();
       entries_.emplace(config, entry);
       while (static_cast<int64_t>(entries_.size()) > capacity_) EvictLeastRecentLocked();
-      SweepRetiredLocked(config.device, stream);
     }
   }
   // The entry is ours even if it is evicted meanwhile: the shared_ptr keeps it alive.
   std::lock_guard<std::mutex> build_guard(entry->build_mutex);
-  if (entry->graph) {
+  {
     std::lock_guard<std::mutex> guard(mutex_);
-    ++stats_.hits;
-  } else {
-    // A failed build is not remembered: the next call with this config tries again.
-    RelaxedCaptureMode relaxed;  // the first call may come while XLA captures the stream
-    JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(config, handle, &entry->graph));
-    std::lock_guard<std::mutex> guard(mutex_);
-    ++stats_.builds;
+    if (entry->graph) {  // another thread built it while we waited
+      CountHit();
+      *graph = entry->graph;
+      return ffi::Error::Success();
+    }
   }
-  *graph = entry->graph;
+  // A failed build is not remembered: the next call with this config tries again.
+  std::shared_ptr<SdpaGraph> built;
+  {
+    RelaxedCaptureMode relaxed;  // the first call may come while XLA captures the stream
+    JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(config, handle, &built));
+  }
+  std::lock_guard<std::mutex> guard(mutex_);
+  ++stats_.builds;
+  // If the entry was evicted while the graph was built, only the caller (its executable's
+  // state) holds the graph, and lets it go through Release like any other.
+  auto found = entries_.find(config);
+  if (found != entries_.end() && found->second == entry) entry->graph = built;
+  *graph = std::move(built);
   return ffi::Error::Success();
 }
 
@@ -78,11 +92,28 @@ void GraphCache::EvictLeastRecentLocked() {
   std::shared_ptr<Entry> entry = found->second;
   entries_.erase(found);
   ++stats_.evictions;
-  // A build in progress on another thread keeps its entry alive and drops it when done.
-  std::unique_lock<std::mutex> build_lock(entry->build_mutex, std::try_to_lock);
-  if (build_lock.owns_lock() && entry->graph) {
+  if (entry->graph) {
     retired_.push_back(Retired{std::move(entry->graph), nullptr});
+    retired_count_.store(static_cast<int64_t>(retired_.size()), std::memory_order_relaxed);
   }
+}
+
+void GraphCache::Release(std::shared_ptr<SdpaGraph> graph) {
+  if (!graph) return;
+  std::lock_guard<std::mutex> guard(mutex_);
+  retired_.push_back(Retired{std::move(graph), nullptr});
+  retired_count_.store(static_cast<int64_t>(retired_.size()), std::memory_order_relaxed);
+}
+
+void GraphCache::SweepIfPending(int32_t device, cudaStream_t stream) {
+  if (retired_count_.load(std::memory_order_relaxed) == 0) return;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess ||
+      capturing != cudaStreamCaptureStatusNone) {
+    return;  // an event recorded now would only be captured: sweep on an uncaptured call
+  }
+  std::lock_guard<std::mutex> guard(mutex_);
+  SweepRetiredLocked(device, stream);
 }
 
 void GraphCache::SweepRetiredLocked(int32_t device, cudaStream_t stream) {
@@ -94,17 +125,19 @@ void GraphCache::SweepRetiredLocked(int32_t device, cudaStream_t stream) {
       }
     } else if (cudaEventQuery(retired.queued_work_done) == cudaSuccess) {
       cudaEventDestroy(retired.queued_work_done);
-      continue;  // the graph and its cuDNN plans are freed here
+      continue;  // this reference is dropped here (the graph is freed if it was the last)
     }
     kept.push_back(std::move(retired));
   }
   retired_.swap(kept);
+  retired_count_.store(static_cast<int64_t>(retired_.size()), std::memory_order_relaxed);
 }
 
 GraphCacheStats GraphCache::stats() {
   std::lock_guard<std::mutex> guard(mutex_);
   GraphCacheStats result = stats_;
   result.capacity = capacity_;
+  result.hits = hits_.load(std::memory_order_relaxed);
   result.entries = 0;
   for (const auto& [config, entry] : entries_) {
     if (entry->graph) ++result.entries;  // entries whose build failed hold no graph

@@ -1,11 +1,14 @@
 // Thread-safe, bounded cache of built SDPA graphs, one per (device, config): no graph is built
 // twice while it is cached, a build for one config never blocks lookups of others, and the least
 // recently used graph leaves when the cache is full (JAX_SDPA_GRAPH_CACHE_SIZE, default 256).
+// Executables hold the graphs they use too (call_state.h): a graph is freed once neither holds
+// it and the work queued with it has run.
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -25,17 +28,28 @@ struct GraphCacheStats {
   int64_t builds = 0;     // successful graph builds since the process started
   int64_t hits = 0;
   int64_t evictions = 0;  // graphs that left to make room
-  int64_t retired = 0;    // evicted graphs still waiting for work queued with them to finish
+  int64_t retired = 0;    // graphs let go (evicted, or their executable freed) whose queued
+                          // work may not have finished yet
 };
 
 class GraphCache {
  public:
   static GraphCache& Global();
 
-  // Returns the graph for `config`, building it with `handle` (locked by the caller, bound to
-  // `stream`) if needed.
-  ffi::Error GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle, cudaStream_t stream,
+  // Returns the graph for `config`, building it with `handle` (locked by the caller) if needed.
+  ffi::Error GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
                         std::shared_ptr<SdpaGraph>* graph);
+
+  // A call that found its graph in its executable's state (call_state.h) counts as a hit.
+  void CountHit() { hits_.fetch_add(1, std::memory_order_relaxed); }
+
+  // Takes one holder's reference to a graph; it is dropped once the work queued so far on the
+  // graph's device has run (the graph is freed then if nothing else holds it).
+  void Release(std::shared_ptr<SdpaGraph> graph);
+
+  // Frees let-go graphs whose work has run, from a call on `device` holding its handle lock.
+  // A no-op costing one atomic load when there are none.
+  void SweepIfPending(int32_t device, cudaStream_t stream);
 
   GraphCacheStats stats();
 
@@ -43,13 +57,14 @@ class GraphCache {
   explicit GraphCache(int64_t capacity) : capacity_(capacity) {}
 
   struct Entry {
-    std::mutex build_mutex;
-    std::shared_ptr<SdpaGraph> graph;
+    std::mutex build_mutex;            // held while the graph is built
+    std::shared_ptr<SdpaGraph> graph;  // read and written under mutex_
     std::list<SdpaConfig>::iterator recency;  // position in recency_ (front: most recent)
   };
-  // An evicted graph is freed only once the work queued with it has run: a kernel in flight must
+  // A let-go graph is freed only once the work queued with it has run: a kernel in flight must
   // not outlive its plan. The event is recorded by the next call on the graph's own device (the
-  // caller holds that device's handle lock, so no other call on it is enqueueing meanwhile).
+  // caller holds that device's handle lock, so no other call on it is enqueueing meanwhile),
+  // never on a stream XLA is capturing (a captured event record does not run until replay).
   struct Retired {
     std::shared_ptr<SdpaGraph> graph;
     cudaEvent_t queued_work_done = nullptr;
@@ -64,7 +79,9 @@ class GraphCache {
   std::unordered_map<SdpaConfig, std::shared_ptr<Entry>, SdpaConfigHash> entries_;
   std::list<SdpaConfig> recency_;
   std::vector<Retired> retired_;
-  GraphCacheStats stats_;
+  std::atomic<int64_t> retired_count_{0};
+  std::atomic<int64_t> hits_{0};
+  GraphCacheStats stats_;  // builds and evictions; hits and retired are counted above
 };
 
 }  // namespace jax_sdpa

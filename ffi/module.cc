@@ -1,8 +1,9 @@
-// The Python module: handler capsules for jax.ffi.register_ffi_target, library versions and
-// the graph cache's counters.
+// The Python module: handler capsules for jax.ffi.register_ffi_target, the per-call state's
+// type for jax.ffi.register_ffi_type, library versions and the graph cache's counters.
 #include <cudnn.h>
 #include <nanobind/nanobind.h>
 
+#include "call_state.h"
 #include "graph_cache.h"
 #include "sdpa_handlers.h"
 
@@ -11,8 +12,17 @@ namespace nb = nanobind;
 namespace {
 
 template <typename T>
-nb::capsule EncapsulateHandler(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+nb::capsule Encapsulate(T* pointer) {
+  return nb::capsule(reinterpret_cast<void*>(pointer));
+}
+
+// One target: its instantiate stage (creates the call's state) and its execute stage.
+template <typename T>
+nb::dict TargetStages(T* execute) {
+  nb::dict stages;
+  stages["instantiate"] = Encapsulate(jax_sdpa::CallStateInstantiateHandler);
+  stages["execute"] = Encapsulate(execute);
+  return stages;
 }
 
 }  // namespace
@@ -20,13 +30,18 @@ nb::capsule EncapsulateHandler(T* fn) {
 NB_MODULE(_sdpa_ffi, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_sdpa_forward"] = EncapsulateHandler(jax_sdpa::SdpaForwardHandler);
-    targets["jax_sdpa_backward"] = EncapsulateHandler(jax_sdpa::SdpaBackwardHandler);
-    targets["jax_sdpa_forward_cmdbuf"] =
-        EncapsulateHandler(jax_sdpa::SdpaForwardCommandBufferHandler);
+    targets["jax_sdpa_forward"] = TargetStages(jax_sdpa::SdpaForwardHandler);
+    targets["jax_sdpa_backward"] = TargetStages(jax_sdpa::SdpaBackwardHandler);
+    targets["jax_sdpa_forward_cmdbuf"] = TargetStages(jax_sdpa::SdpaForwardCommandBufferHandler);
     targets["jax_sdpa_backward_cmdbuf"] =
-        EncapsulateHandler(jax_sdpa::SdpaBackwardCommandBufferHandler);
+        TargetStages(jax_sdpa::SdpaBackwardCommandBufferHandler);
     return targets;
+  });
+  m.def("call_state_type", []() {
+    nb::dict registration;
+    registration["type_id"] = Encapsulate(&jax_sdpa::CallState::id);
+    registration["type_info"] = Encapsulate(&jax_sdpa::CallState::type_info);
+    return registration;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); },
         "cuDNN version of the libcudnn loaded in this process, e.g. 91900 for 9.19.0.");

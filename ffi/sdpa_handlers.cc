@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "call_state.h"
 #include "check.h"
 #include "cudnn_handles.h"
 #include "graph_cache.h"
@@ -218,15 +219,22 @@ ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& gr
   return ffi::Error::Success();
 }
 
-// Looks up (or builds) the graph and finds its workspace, holding the device's handle. In a
-// command buffer the call's kernels replay after this call returns, so the workspace must
-// outlive it: the graph's own.
-ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+// Finds the call's graph (in its executable's state, else the cache, else builds it) and its
+// workspace, holding the device's handle. In a command buffer the call's kernels replay after
+// this call returns, so the workspace must outlive it: the graph's own.
+ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch, CallState& state,
                         const CallPlan& plan, const Options& options, CudnnHandleLease* lease,
                         std::shared_ptr<SdpaGraph>* graph, void** workspace) {
   JAX_SDPA_RETURN_IF_ERROR(AcquireCudnnHandle(plan.config.device, stream, lease));
-  JAX_SDPA_RETURN_IF_ERROR(
-      GraphCache::Global().GetOrBuild(plan.config, lease->handle, stream, graph));
+  GraphCache& cache = GraphCache::Global();
+  cache.SweepIfPending(plan.config.device, stream);
+  *graph = state.Find(plan.config);
+  if (*graph) {
+    cache.CountHit();
+  } else {
+    JAX_SDPA_RETURN_IF_ERROR(cache.GetOrBuild(plan.config, lease->handle, graph));
+    state.Remember(*graph);
+  }
   if (options.command_buffer) return (*graph)->PersistentWorkspace(workspace);
   return AllocateWorkspace(scratch, **graph, workspace);
 }
@@ -290,7 +298,7 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
 }
 
 ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> stats, ffi::RemainingRets extra_results,
                        Options options) {
@@ -319,7 +327,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     CudnnHandleLease lease;
     std::shared_ptr<SdpaGraph> graph;
     void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, options, &lease, &graph, &workspace));
+    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, *state, plan, options, &lease, &graph, &workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       ForwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
@@ -335,7 +343,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
 }
 
 ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                        ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                         ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::RemainingArgs rest,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets extra_results,
@@ -365,7 +373,7 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
     CudnnHandleLease lease;
     std::shared_ptr<SdpaGraph> graph;
     void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, plan, options, &lease, &graph, &workspace));
+    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, *state, plan, options, &lease, &graph, &workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       BackwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
@@ -401,14 +409,20 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_sdpa {
 
-auto ForwardBinding() {
+// Every call's context and fixed inputs; the backward adds o, stats and d_o.
+auto AttentionBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Ctx<ffi::ScratchAllocator>()
-      .Arg<ffi::AnyBuffer>()  // q
-      .Arg<ffi::AnyBuffer>()  // k
-      .Arg<ffi::AnyBuffer>()  // v
+      .Ctx<ffi::State<CallState>>()
+      .Arg<ffi::AnyBuffer>()   // q
+      .Arg<ffi::AnyBuffer>()   // k
+      .Arg<ffi::AnyBuffer>();  // v
+}
+
+auto ForwardBinding() {
+  return AttentionBinding()
       .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [seed]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
@@ -417,13 +431,7 @@ auto ForwardBinding() {
 }
 
 auto BackwardBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>()
-      .Ctx<ffi::ScratchAllocator>()
-      .Arg<ffi::AnyBuffer>()  // q
-      .Arg<ffi::AnyBuffer>()  // k
-      .Arg<ffi::AnyBuffer>()  // v
+  return AttentionBinding()
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
@@ -435,6 +443,14 @@ auto BackwardBinding() {
       .Attrs<Options>();
 }
 
+// XLA calls this once per custom call when it loads an executable; the state lives as long as
+// the executable (call_state.h).
+ffi::ErrorOr<std::unique_ptr<CallState>> InstantiateCallState() {
+  return std::make_unique<CallState>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CallStateInstantiateHandler, InstantiateCallState,
+                              ffi::Ffi::BindInstantiate());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardHandler, SdpaForward, ForwardBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardHandler, SdpaBackward, BackwardBinding());
 // The same handlers, which XLA may record into its command buffers (CUDA graphs).

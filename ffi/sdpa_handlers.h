@@ -11,12 +11,15 @@
 // batch or a seed per slice, become repeated executions of one graph.
 // The *CommandBuffer handlers are the same, marked so that XLA may record them into its command
 // buffers (CUDA graphs); they use a workspace owned by the graph instead of per-call scratch.
+// Each target pairs an execute handler with CallStateInstantiateHandler, which creates the
+// per-call state (call_state.h) when XLA loads an executable.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CallStateInstantiateHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaForwardHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaBackwardHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaForwardCommandBufferHandler);

@@ -72,10 +72,16 @@ def extension_load_error() -> str | None:
     return _load()[1]
 
 
+CALL_STATE_TYPE = "jax_sdpa_call_state"
+
+
 @functools.lru_cache(maxsize=None)
 def _register_targets() -> None:
-    for name, capsule in extension().registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    # Each target has an instantiate stage creating a per-call state (ffi/call_state.h) that
+    # holds the call's cuDNN graphs as long as the executable lives; its type comes first.
+    jax.ffi.register_ffi_type(CALL_STATE_TYPE, extension().call_state_type(), platform="CUDA")
+    for name, stages in extension().registrations().items():
+        jax.ffi.register_ffi_target(name, stages, platform="CUDA")
 
 
 def register_ffi_targets() -> None:
