@@ -241,6 +241,16 @@ ffi::Error SdpaGraph::PersistentWorkspace(void** workspace) {
 
 ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
                             std::shared_ptr<SdpaGraph>* out) {
+  return BuildWithPlans(config, handle, /*all_plans=*/false, out);
+}
+
+ffi::Error SdpaGraph::BuildAllPlans(const SdpaConfig& config, cudnnHandle_t handle,
+                                    std::shared_ptr<SdpaGraph>* out) {
+  return BuildWithPlans(config, handle, /*all_plans=*/true, out);
+}
+
+ffi::Error SdpaGraph::BuildWithPlans(const SdpaConfig& config, cudnnHandle_t handle,
+                                     bool all_plans, std::shared_ptr<SdpaGraph>* out) {
   try {
     auto frontend = std::make_unique<Frontend>();
     frontend->graph = config.direction == Direction::kForward ? DescribeForward(config)
@@ -251,11 +261,14 @@ ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
     if (status.is_bad()) return FrontendError(status, "validate", config);
     status = graph.build_operation_graph(handle);
     if (status.is_bad()) return FrontendError(status, "build_operation_graph", config);
-    status = graph.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+    std::vector<fe::HeurMode_t> modes = {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK};
+    if (all_plans) modes = {fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK};
+    status = graph.create_execution_plans(modes);
     if (status.is_bad()) return FrontendError(status, "create_execution_plans", config);
     status = graph.check_support(handle);
     if (status.is_bad()) return FrontendError(status, "check_support", config);
-    status = graph.build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    status = graph.build_plans(handle, all_plans ? fe::BuildPlanPolicy_t::ALL
+                                                 : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
     if (status.is_bad()) return FrontendError(status, "build_plans", config);
     int64_t workspace_size = 0;
     status = graph.get_workspace_size(workspace_size);
@@ -268,26 +281,41 @@ ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
   }
 }
 
-ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& b,
-                                     void* workspace) {
-  std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
-  AddInputs(config_, b.in, pack);
-  if (config_.dropout > 0 && config_.dump_dropout_mask) pack[kDropoutMask] = b.dropout_mask;
-  fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
+int64_t SdpaGraph::plan_count() const { return frontend_->graph->get_execution_plan_count(); }
+
+ffi::Error SdpaGraph::PlanInfo(int64_t index, std::string* name, int64_t* workspace_size) const {
+  fe::error_t status = frontend_->graph->get_workspace_size_plan_at_index(index, *workspace_size);
+  if (status.is_bad()) return FrontendError(status, "get_workspace_size_plan_at_index", config_);
+  status = frontend_->graph->get_plan_name_at_index(index, *name);
+  if (status.is_bad()) return FrontendError(status, "get_plan_name_at_index", config_);
+  return ffi::Error::Success();
+}
+
+ffi::Error SdpaGraph::Execute(cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
+                              void* workspace, int64_t plan) {
+  fe::error_t status = plan == kPreferredPlan
+                           ? frontend_->graph->execute(handle, pack, workspace)
+                           : frontend_->graph->execute_plan_at_index(handle, pack, workspace, plan);
   if (status.is_bad()) return FrontendError(status, "execute", config_);
   return ffi::Error::Success();
 }
 
+ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& b,
+                                     void* workspace, int64_t plan) {
+  std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
+  AddInputs(config_, b.in, pack);
+  if (config_.dropout > 0 && config_.dump_dropout_mask) pack[kDropoutMask] = b.dropout_mask;
+  return Execute(handle, pack, workspace, plan);
+}
+
 ffi::Error SdpaGraph::ExecuteBackward(cudnnHandle_t handle, const BackwardBuffers& b,
-                                      void* workspace) {
+                                      void* workspace, int64_t plan) {
   std::unordered_map<int64_t, void*> pack = {
       {kO, const_cast<void*>(b.o)}, {kDO, const_cast<void*>(b.d_o)},
       {kStats, const_cast<void*>(b.stats)}, {kDQ, b.dq}, {kDK, b.dk}, {kDV, b.dv}};
   AddInputs(config_, b.in, pack);
   if (config_.bias_batch > 0 && config_.bias_grad) pack[kDBias] = b.dbias;
-  fe::error_t status = frontend_->graph->execute(handle, pack, workspace);
-  if (status.is_bad()) return FrontendError(status, "execute", config_);
-  return ffi::Error::Success();
+  return Execute(handle, pack, workspace, plan);
 }
 
 }  // namespace jax_sdpa

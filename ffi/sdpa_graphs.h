@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <unordered_map>
 
 #include "check.h"
 #include "sdpa_config.h"
@@ -54,6 +56,16 @@ class SdpaGraph {
   // Builds the forward or backward graph (config.direction) and picks its execution plan.
   static ffi::Error Build(const SdpaConfig& config, cudnnHandle_t handle,
                           std::shared_ptr<SdpaGraph>* graph);
+  // The same graph with every plan cuDNN's heuristics offer (modes A, B and fallback) built
+  // where cuDNN can: for timing plans against each other (kernel_timing.h), not for calls.
+  static ffi::Error BuildAllPlans(const SdpaConfig& config, cudnnHandle_t handle,
+                                  std::shared_ptr<SdpaGraph>* graph);
+
+  // Plans are indexed in the heuristics' order of preference; calls run the first that built.
+  static constexpr int64_t kPreferredPlan = -1;
+  int64_t plan_count() const;
+  // cuDNN's name for plan `index` and its workspace, or an error if it did not build.
+  ffi::Error PlanInfo(int64_t index, std::string* name, int64_t* workspace_size) const;
 
   const SdpaConfig& config() const { return config_; }
   int64_t workspace_size() const { return workspace_size_; }
@@ -66,12 +78,17 @@ class SdpaGraph {
 
   // Enqueue on the stream the handle is bound to; the caller holds the handle's lock.
   ffi::Error ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& buffers,
-                            void* workspace);
+                            void* workspace, int64_t plan = kPreferredPlan);
   ffi::Error ExecuteBackward(cudnnHandle_t handle, const BackwardBuffers& buffers,
-                             void* workspace);
+                             void* workspace, int64_t plan = kPreferredPlan);
 
  private:
   struct Frontend;
+  static ffi::Error BuildWithPlans(const SdpaConfig& config, cudnnHandle_t handle,
+                                   bool all_plans, std::shared_ptr<SdpaGraph>* graph);
+  // Runs `plan` on the tensors of `pack` (uid -> device pointer).
+  ffi::Error Execute(cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
+                     void* workspace, int64_t plan);
   SdpaGraph(const SdpaConfig& config, std::unique_ptr<Frontend> frontend, int64_t workspace_size);
 
   SdpaConfig config_;

@@ -1,0 +1,124 @@
+"""cuDNN's SDPA graphs timed alone, against the same shapes called through JAX.
+
+    python -m benchmarks.plans [--only NAME ...] [--config name:B,S,Nq,Nkv,H,bf16,causal] [--out DIR]
+
+For each config: every plan cuDNN's heuristics offer (modes A, B, fallback), forward and
+backward, timed by the extension with CUDA events around a straight run of executions on a
+private stream, rotating over CALLS input sets (ffi/kernel_timing.h); then jax_sdpa (default
+and with command buffers) and jax.nn's cuDNN path timed the benchmark's way (benchmarks/
+attention.py: CALLS calls inside one jit, median of interleaved rounds). Answers issue 8's
+questions: how far a call through JAX is from the graph alone, and whether any plan beats the
+heuristics' first (whether autotuning could pay). Writes plans.md and plans.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.attention import CALLS, make_inputs, time_once, timed_functions
+from benchmarks.configs import ANCHOR_CONFIGS, parse_config
+from benchmarks.implementations import available
+from jax_sdpa import _ffi
+
+
+def time_plans(config, direction, rounds):
+    return _ffi.extension().time_plans(
+        direction=direction, dtype=jnp.dtype(config.dtype).name, batch=config.batch,
+        q_seq_len=config.seq, kv_seq_len=config.seq, q_heads=config.q_heads,
+        kv_heads=config.kv_heads, head_dim=config.head_dim, head_dim_v=config.head_dim,
+        causal=config.causal, scale=config.head_dim ** -0.5, iterations=CALLS * rounds,
+        input_sets=CALLS)
+
+
+def preferred(plans):
+    """The plan calls run: the first in the heuristics' order that built."""
+    return next(p for p in plans if p["ms"] > 0)
+
+
+def time_calls(config, rounds):
+    """{(impl, mode): ms per call} for jax_sdpa (plain, command buffers) and jax.nn cudnn."""
+    inputs = make_inputs(config, seed=0)
+    impls = {name: fn for name, fn in available(config, command_buffers=True).items()
+             if name in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")}
+    fns = {(name, mode): fn for name, attention in impls.items()
+           for mode, fn in timed_functions(attention, config.causal).items()}
+    for fn in fns.values():
+        jax.block_until_ready(fn(inputs))
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            samples[key].append(time_once(fn, inputs))
+    return {key: statistics.median(times) * 1e3 for key, times in samples.items()}
+
+
+def markdown(results):
+    lines = ["| config | mode | cuDNN graph alone ms | jax_sdpa ms (×) | jax_sdpa cmdbuf ms (×) "
+             "| jax.nn cudnn ms (×) | fastest plan ms (× heuristics' first) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for mode in ("fwd", "fwd+bwd"):
+            alone = r["alone_ms"][mode]
+            cells = [f"{r['calls_ms'][f'{impl}|{mode}']:.3f} "
+                     f"({r['calls_ms'][f'{impl}|{mode}'] / alone:.3f})"
+                     for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")]
+            best = r["best_ms"][mode]
+            lines.append(f"| {r['config']} | {mode} | {alone:.3f} | {' | '.join(cells)} | "
+                         f"{best:.3f} ({best / alone:.3f}) |")
+    lines += ["", "| config | direction | plan | cuDNN engine config | ms | × first | "
+              "workspace MiB | host µs per execute | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for direction, plans in r["plans"].items():
+            first = preferred(plans)["ms"]
+            for p in plans:
+                ms = f"{p['ms']:.3f}" if p["ms"] > 0 else "–"
+                ratio = f"{p['ms'] / first:.3f}" if p["ms"] > 0 else "–"
+                host = f"{p['host_us']:.1f}" if p["host_us"] > 0 else "–"
+                lines.append(f"| {r['config']} | {direction} | {p['plan']} | {p['name']} | {ms} | "
+                             f"{ratio} | {p['workspace_bytes'] / 2**20:.1f} | {host} | "
+                             f"{p['error'][:80]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    configs = ANCHOR_CONFIGS + [parse_config(text) for text in args.config]
+    if args.only:
+        configs = [c for c in configs if c.name in args.only]
+    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
+              f"{jax.__version__}, cuDNN {_ffi.cudnn_version()}")
+    results = []
+    for index, config in enumerate(configs):
+        print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
+        plans = {d: time_plans(config, d, args.rounds) for d in ("forward", "backward")}
+        fwd, bwd = (preferred(plans[d])["ms"] for d in ("forward", "backward"))
+        best_fwd, best_bwd = (min(p["ms"] for p in plans[d] if p["ms"] > 0)
+                              for d in ("forward", "backward"))
+        calls = time_calls(config, args.rounds)
+        results.append(dict(config=config.name, plans=plans,
+                            alone_ms={"fwd": fwd, "fwd+bwd": fwd + bwd},
+                            best_ms={"fwd": best_fwd, "fwd+bwd": best_fwd + best_bwd},
+                            calls_ms={f"{impl}|{mode}": ms for (impl, mode), ms in calls.items()}))
+        with open(os.path.join(args.out, "plans.json"), "w") as f:
+            json.dump(dict(header=header, calls_per_round=CALLS, results=results), f, indent=1)
+    table = markdown(results)
+    with open(os.path.join(args.out, "plans.md"), "w") as f:
+        f.write(header + "\n\n" + table + "\n")
+    print(header)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

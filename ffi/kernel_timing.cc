@@ -1,0 +1,224 @@
+#include "kernel_timing.h"
+
+#include <cuda_runtime_api.h>
+#include <cudnn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+
+#include "sdpa_graphs.h"
+
+namespace jax_sdpa {
+namespace {
+
+// Device memory freed at scope exit.
+struct DeviceMemory {
+  void* data = nullptr;
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    if (data != nullptr) cudaFree(data);
+  }
+};
+
+// What a timing run owns: its device, stream, cuDNN handle and buffers, released in reverse.
+class Session {
+ public:
+  ~Session() {
+    buffers_.clear();
+    if (handle_ != nullptr) cudnnDestroy(handle_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (previous_device_ >= 0) cudaSetDevice(previous_device_);
+  }
+
+  ffi::Error Open(int32_t device) {
+    JAX_SDPA_CUDA_CHECK(cudaGetDevice(&previous_device_));
+    JAX_SDPA_CUDA_CHECK(cudaSetDevice(device));
+    JAX_SDPA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    JAX_SDPA_CUDNN_CHECK(cudnnCreate(&handle_));
+    JAX_SDPA_CUDNN_CHECK(cudnnSetStream(handle_, stream_));
+    return ffi::Error::Success();
+  }
+
+  // A new buffer of `bytes`, filled with `fill` repeated (or zeros when fill is empty).
+  ffi::Error Allocate(int64_t bytes, const std::vector<uint16_t>& fill, void** out) {
+    buffers_.push_back(std::make_unique<DeviceMemory>());
+    JAX_SDPA_CUDA_CHECK(cudaMalloc(&buffers_.back()->data, std::max<int64_t>(bytes, 1)));
+    *out = buffers_.back()->data;
+    if (fill.empty()) {
+      JAX_SDPA_CUDA_CHECK(cudaMemset(*out, 0, bytes));
+      return ffi::Error::Success();
+    }
+    int64_t chunk = static_cast<int64_t>(fill.size() * sizeof(uint16_t));
+    for (int64_t offset = 0; offset < bytes; offset += chunk) {
+      JAX_SDPA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(*out) + offset, fill.data(),
+                                     std::min(chunk, bytes - offset), cudaMemcpyHostToDevice));
+    }
+    return ffi::Error::Success();
+  }
+
+  cudaStream_t stream() const { return stream_; }
+  cudnnHandle_t handle() const { return handle_; }
+
+ private:
+  int previous_device_ = -1;
+  cudaStream_t stream_ = nullptr;
+  cudnnHandle_t handle_ = nullptr;
+  std::vector<std::unique_ptr<DeviceMemory>> buffers_;
+};
+
+// Bits of a float in [-2, 2] as IEEE half (values below half's normal range become zero) or
+// bfloat16 (truncated): enough for timing inputs.
+uint16_t HalfBits(float value, ElementType type) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (type == ElementType::kBFloat16) return static_cast<uint16_t>(bits >> 16);
+  uint32_t sign = (bits >> 16) & 0x8000u;
+  int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFF) - 127 + 15;
+  if (exponent <= 0) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exponent) << 10) |
+                               ((bits >> 13) & 0x3FFu));
+}
+
+// 64 Ki random 16-bit values, repeated to fill each input.
+std::vector<uint16_t> RandomPattern(ElementType type) {
+  std::mt19937 generator(1234);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  std::vector<uint16_t> pattern(1 << 16);
+  for (auto& value : pattern) value = HalfBits(uniform(generator), type);
+  return pattern;
+}
+
+// One input set's buffers for both directions.
+struct InputSet {
+  ForwardBuffers forward;
+  BackwardBuffers backward;
+};
+
+ffi::Error AllocateSet(Session& session, const SdpaConfig& c, const std::vector<uint16_t>& random,
+                       InputSet* set) {
+  const int64_t element = 2;
+  int64_t q_bytes = c.batch * c.q_seq_len * c.q_heads * c.head_dim * element;
+  int64_t k_bytes = c.batch * c.kv_seq_len * c.kv_heads * c.head_dim * element;
+  int64_t v_bytes = c.batch * c.kv_seq_len * c.kv_heads * c.head_dim_v * element;
+  int64_t o_bytes = c.batch * c.q_seq_len * c.q_heads * c.head_dim_v * element;
+  int64_t stats_bytes = c.batch * c.q_heads * c.q_seq_len * 4;
+  void *q, *k, *v, *o, *stats;
+  JAX_SDPA_RETURN_IF_ERROR(session.Allocate(q_bytes, random, &q));
+  JAX_SDPA_RETURN_IF_ERROR(session.Allocate(k_bytes, random, &k));
+  JAX_SDPA_RETURN_IF_ERROR(session.Allocate(v_bytes, random, &v));
+  JAX_SDPA_RETURN_IF_ERROR(session.Allocate(o_bytes, {}, &o));
+  JAX_SDPA_RETURN_IF_ERROR(session.Allocate(stats_bytes, {}, &stats));
+  set->forward.in.q = set->backward.in.q = q;
+  set->forward.in.k = set->backward.in.k = k;
+  set->forward.in.v = set->backward.in.v = v;
+  set->forward.o = o;
+  set->forward.stats = stats;
+  set->backward.o = o;
+  set->backward.stats = stats;
+  if (c.direction == Direction::kBackward) {
+    void *d_o, *dq, *dk, *dv;
+    JAX_SDPA_RETURN_IF_ERROR(session.Allocate(o_bytes, random, &d_o));
+    JAX_SDPA_RETURN_IF_ERROR(session.Allocate(q_bytes, {}, &dq));
+    JAX_SDPA_RETURN_IF_ERROR(session.Allocate(k_bytes, {}, &dk));
+    JAX_SDPA_RETURN_IF_ERROR(session.Allocate(v_bytes, {}, &dv));
+    set->backward.d_o = d_o;
+    set->backward.dq = dq;
+    set->backward.dk = dk;
+    set->backward.dv = dv;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExecuteOnce(SdpaGraph& graph, Session& session, const InputSet& set, void* workspace,
+                       int64_t plan) {
+  if (graph.config().direction == Direction::kForward) {
+    return graph.ExecuteForward(session.handle(), set.forward, workspace, plan);
+  }
+  return graph.ExecuteBackward(session.handle(), set.backward, workspace, plan);
+}
+
+// Times one plan: two warm-up executions, then `iterations` between two events.
+ffi::Error TimePlan(SdpaGraph& graph, Session& session, const std::vector<InputSet>& sets,
+                    void* workspace, int64_t iterations, PlanTiming* timing) {
+  for (int64_t i = 0; i < 2; ++i) {
+    JAX_SDPA_RETURN_IF_ERROR(ExecuteOnce(graph, session, sets[i % sets.size()], workspace,
+                                         timing->plan));
+  }
+  cudaEvent_t start, stop;
+  JAX_SDPA_CUDA_CHECK(cudaEventCreate(&start));
+  JAX_SDPA_CUDA_CHECK(cudaEventCreate(&stop));
+  ffi::Error status = ffi::Error::Success();
+  auto host_start = std::chrono::steady_clock::now();
+  cudaEventRecord(start, session.stream());
+  for (int64_t i = 0; i < iterations && status.success(); ++i) {
+    status = ExecuteOnce(graph, session, sets[i % sets.size()], workspace, timing->plan);
+  }
+  auto host_stop = std::chrono::steady_clock::now();
+  cudaEventRecord(stop, session.stream());
+  cudaError_t synced = cudaEventSynchronize(stop);
+  float ms = 0;
+  if (status.success() && synced == cudaSuccess) cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  JAX_SDPA_RETURN_IF_ERROR(status);
+  JAX_SDPA_CUDA_CHECK(synced);
+  timing->ms = ms / static_cast<double>(iterations);
+  timing->host_us =
+      std::chrono::duration<double, std::micro>(host_stop - host_start).count() / iterations;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
+                     std::vector<PlanTiming>* timings) {
+  if (config.bias_batch > 0 || config.padding || config.dropout > 0 || iterations < 1 ||
+      input_sets < 1) {
+    return ffi::Error::InvalidArgument(
+        "jax_sdpa: plan timing takes no bias, lengths or dropout, and at least one iteration "
+        "and input set; got " + config.ToString());
+  }
+  Session session;
+  JAX_SDPA_RETURN_IF_ERROR(session.Open(config.device));
+  std::vector<uint16_t> random = RandomPattern(config.element_type);
+  std::vector<InputSet> sets(static_cast<size_t>(input_sets));
+  for (InputSet& set : sets) JAX_SDPA_RETURN_IF_ERROR(AllocateSet(session, config, random, &set));
+
+  if (config.direction == Direction::kBackward) {
+    // The backward reads the forward's output and statistics: compute them for every set.
+    SdpaConfig forward_config = config;
+    forward_config.direction = Direction::kForward;
+    forward_config.deterministic = false;
+    std::shared_ptr<SdpaGraph> forward;
+    JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(forward_config, session.handle(), &forward));
+    void* workspace = nullptr;
+    JAX_SDPA_RETURN_IF_ERROR(session.Allocate(forward->workspace_size(), {}, &workspace));
+    for (const InputSet& set : sets) {
+      JAX_SDPA_RETURN_IF_ERROR(ExecuteOnce(*forward, session, set, workspace,
+                                           SdpaGraph::kPreferredPlan));
+    }
+  }
+
+  std::shared_ptr<SdpaGraph> graph;
+  JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::BuildAllPlans(config, session.handle(), &graph));
+  timings->clear();
+  for (int64_t plan = 0; plan < graph->plan_count(); ++plan) {
+    PlanTiming timing;
+    timing.plan = plan;
+    ffi::Error status = graph->PlanInfo(plan, &timing.name, &timing.workspace_size);
+    void* workspace = nullptr;
+    if (status.success()) status = session.Allocate(timing.workspace_size, {}, &workspace);
+    if (status.success()) status = TimePlan(*graph, session, sets, workspace, iterations, &timing);
+    if (status.failure()) timing.error = status.message();
+    timings->push_back(timing);
+  }
+  JAX_SDPA_CUDA_CHECK(cudaStreamSynchronize(session.stream()));
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_sdpa

@@ -1,0 +1,31 @@
+// cuDNN's SDPA graphs timed alone, outside JAX and XLA: every plan cuDNN's heuristics offer,
+// on device buffers of random inputs, with CUDA events around a straight run of executions on
+// a private stream. benchmarks/plans.py sets these against the same shapes called through
+// jax_sdpa (how much a call costs around the kernel) and shows whether a plan other than the
+// heuristics' first would be faster (whether autotuning could pay).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "sdpa_config.h"
+
+namespace jax_sdpa {
+
+struct PlanTiming {
+  int64_t plan = 0;            // index in the heuristics' order of preference
+  std::string name;            // cuDNN's name for the plan's engine configuration
+  int64_t workspace_size = 0;  // bytes
+  double ms = -1;              // GPU time per execution; < 0 if the plan did not build or run
+  double host_us = -1;         // CPU time to enqueue one execution
+  std::string error;           // why the plan has no time
+};
+
+// Times config.direction's graph (no bias, lengths or dropout) on config.device: `iterations`
+// executions of each plan, rotating over `input_sets` sets of buffers.
+ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
+                     std::vector<PlanTiming>* timings);
+
+}  // namespace jax_sdpa
