@@ -5,10 +5,12 @@
 For each config: every plan cuDNN's heuristics offer (modes A, B, fallback), forward and
 backward, timed by the extension with CUDA events around a straight run of executions on a
 private stream, rotating over CALLS input sets (ffi/kernel_timing.h); then jax_sdpa (default
-and with command buffers) and jax.nn's cuDNN path timed the benchmark's way (benchmarks/
-attention.py: CALLS calls inside one jit, median of interleaved rounds). Answers issue 8's
-questions: how far a call through JAX is from the graph alone, and whether any plan beats the
-heuristics' first (whether autotuning could pay). Writes plans.md and plans.json.
+and with command buffers) and jax.nn's cuDNN path as the marginal cost of a call inside jit:
+chains of CALLS and 2 * CALLS independent calls (benchmarks/attention.py's method, median of
+interleaved rounds), (t(2n) - t(n)) / n, so that the fixed cost of dispatching a jit and
+waiting for it drops out, as it does from the graph-alone run. Answers issue 8's questions:
+how far a call through JAX is from the graph alone, and whether any plan beats the heuristics'
+first (whether autotuning could pay). Writes plans.md and plans.json.
 """
 
 from __future__ import annotations
@@ -44,19 +46,23 @@ def preferred(plans):
 
 
 def time_calls(config, rounds):
-    """{(impl, mode): ms per call} for jax_sdpa (plain, command buffers) and jax.nn cudnn."""
-    inputs = make_inputs(config, seed=0)
+    """{(impl, mode): marginal ms per call inside jit} for jax_sdpa (plain, command buffers)
+    and jax.nn cudnn."""
+    chains = {n: make_inputs(config, seed=0) + make_inputs(config, seed=1)[:n - CALLS]
+              for n in (CALLS, 2 * CALLS)}
     impls = {name: fn for name, fn in available(config, command_buffers=True).items()
              if name in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")}
-    fns = {(name, mode): fn for name, attention in impls.items()
-           for mode, fn in timed_functions(attention, config.causal).items()}
-    for fn in fns.values():
-        jax.block_until_ready(fn(inputs))
+    fns = {(name, mode, n): fn for name, attention in impls.items()
+           for mode, fn in timed_functions(attention, config.causal).items() for n in chains}
+    for (_, _, n), fn in fns.items():
+        jax.block_until_ready(fn(chains[n]))
     samples = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
-            samples[key].append(time_once(fn, inputs))
-    return {key: statistics.median(times) * 1e3 for key, times in samples.items()}
+            samples[key].append(time_once(fn, chains[key[2]]) * CALLS)  # seconds per chain
+    chain_ms = {key: statistics.median(times) * 1e3 for key, times in samples.items()}
+    return {(name, mode): (chain_ms[(name, mode, 2 * CALLS)] - chain_ms[(name, mode, CALLS)])
+            / CALLS for name, mode, _ in fns}
 
 
 def markdown(results):
