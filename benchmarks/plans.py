@@ -4,7 +4,8 @@
 
 For each config: every plan cuDNN's heuristics offer (modes A, B, fallback), forward and
 backward, timed by the extension with CUDA events around a straight run of executions on a
-private stream, rotating over CALLS input sets (ffi/kernel_timing.h); then jax_sdpa (default
+private stream, rotating over the CALLS input sets the JAX calls use (the same arrays: same
+data, same memory; ffi/kernel_timing.h); then jax_sdpa (default
 and with command buffers) and jax.nn's cuDNN path as the marginal cost of a call inside jit:
 chains of CALLS and 2 * CALLS independent calls (benchmarks/attention.py's method, median of
 interleaved rounds), (t(2n) - t(n)) / n, so that the fixed cost of dispatching a jit and
@@ -31,13 +32,32 @@ from benchmarks.implementations import available
 from jax_sdpa import _ffi
 
 
-def time_plans(config, direction, rounds):
-    return _ffi.extension().time_plans(
+def buffer_sets(config, direction, inputs):
+    """Device pointers of q, k, v, o, stats[, d_o, dq, dk, dv] per input set: the benchmark's
+    inputs, and fresh arrays for what the graphs write (never read back through JAX)."""
+    sets, keep = [], []
+    for q, k, v, d_out in inputs:
+        o = jnp.zeros_like(q)
+        stats = jnp.zeros((config.batch, config.q_heads, config.seq), jnp.float32)
+        arrays = [q, k, v, o, stats]
+        if direction == "backward":
+            arrays += [d_out, jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)]
+        jax.block_until_ready(arrays)
+        keep.append(arrays)
+        sets.append([x.unsafe_buffer_pointer() for x in arrays])
+    return sets, keep
+
+
+def time_plans(config, direction, rounds, inputs):
+    sets, keep = buffer_sets(config, direction, inputs)
+    timings = _ffi.extension().time_plans(
         direction=direction, dtype=jnp.dtype(config.dtype).name, batch=config.batch,
         q_seq_len=config.seq, kv_seq_len=config.seq, q_heads=config.q_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, head_dim_v=config.head_dim,
         causal=config.causal, scale=config.head_dim ** -0.5, iterations=CALLS * rounds,
-        input_sets=CALLS)
+        input_sets=CALLS, buffers=sets, device=inputs[0][0].devices().pop().id)
+    del keep  # the arrays lived while their memory was in use
+    return timings
 
 
 def preferred(plans):
@@ -108,7 +128,9 @@ def main(argv=None):
     results = []
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
-        plans = {d: time_plans(config, d, args.rounds) for d in ("forward", "backward")}
+        inputs = make_inputs(config, seed=0)
+        plans = {d: time_plans(config, d, args.rounds, inputs) for d in ("forward", "backward")}
+        del inputs
         fwd, bwd = (preferred(plans[d])["ms"] for d in ("forward", "backward"))
         best_fwd, best_bwd = (min(p["ms"] for p in plans[d] if p["ms"] > 0)
                               for d in ("forward", "backward"))

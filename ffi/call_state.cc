@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "capture_mode.h"
 #include "graph_cache.h"
 
 namespace jax_sdpa {
@@ -10,32 +11,58 @@ ffi::TypeId CallState::id = {};
 XLA_FFI_TypeInfo CallState::type_info = ffi::MakeTypeInfo<CallState>();
 
 CallState::~CallState() {
-  for (auto& graph : graphs_) GraphCache::Global().Release(std::move(graph));
+  std::lock_guard<std::mutex> guard(mutex_);
+  for (Held& held : held_) ReleaseLocked(held);
+}
+
+void CallState::ReleaseLocked(Held& held) {
+  GraphCache::Global().Release(std::move(held.graph), std::move(held.workspace));
 }
 
 std::shared_ptr<SdpaGraph> CallState::Find(const SdpaConfig& config) {
   std::lock_guard<std::mutex> guard(mutex_);
-  for (const auto& graph : graphs_) {
-    if (graph->config() == config) return graph;
+  for (const Held& held : held_) {
+    if (held.graph->config() == config) return held.graph;
   }
   return nullptr;
 }
 
 void CallState::Remember(std::shared_ptr<SdpaGraph> graph) {
   std::lock_guard<std::mutex> guard(mutex_);
-  for (auto& held : graphs_) {
-    // Same device and shape, other config (not expected from one instruction): replace it.
-    if (held->config().device == graph->config().device) {
-      GraphCache::Global().Release(std::move(held));
-      held = std::move(graph);
+  for (Held& held : held_) {
+    // One instruction has one config per device; should another come, it replaces the old.
+    if (held.graph->config().device == graph->config().device) {
+      ReleaseLocked(held);
+      held.graph = std::move(graph);
       return;
     }
   }
-  if (graphs_.size() == kMaxGraphs) {
-    GraphCache::Global().Release(std::move(graphs_.front()));
-    graphs_.erase(graphs_.begin());
+  if (held_.size() == kMaxGraphs) {
+    ReleaseLocked(held_.front());
+    held_.erase(held_.begin());
   }
-  graphs_.push_back(std::move(graph));
+  held_.push_back(Held{std::move(graph), nullptr});
+}
+
+ffi::Error CallState::OwnWorkspace(const SdpaGraph& graph, void** workspace) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  for (Held& held : held_) {
+    if (held.graph.get() != &graph) continue;
+    if (!held.workspace && graph.workspace_size() > 0) {
+      // Possibly while XLA captures the stream: allocation is not a stream operation, so it
+      // is allowed once this thread's capture mode is relaxed.
+      RelaxedCaptureMode relaxed;
+      ScopedDevice device(graph.config().device);
+      JAX_SDPA_CUDA_CHECK(device.status());
+      auto memory = std::make_shared<DeviceMemory>();
+      JAX_SDPA_RETURN_IF_ERROR(memory->Allocate(graph.workspace_size()));
+      held.workspace = std::move(memory);
+    }
+    *workspace = held.workspace ? held.workspace->data() : nullptr;
+    return ffi::Error::Success();
+  }
+  return ffi::Error::Internal("jax_sdpa: no workspace for a graph this call does not hold: " +
+                              graph.config().ToString());
 }
 
 }  // namespace jax_sdpa

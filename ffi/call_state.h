@@ -1,9 +1,13 @@
 // State XLA keeps for each of our custom calls in a compiled executable (the FFI "instantiate"
-// stage): the graphs that call ran with, one per device. It serves two purposes:
+// stage): per device, the graph that call runs and, for calls XLA records into command buffers,
+// its own workspace. It serves three purposes:
 // - a call finds its graph without hashing its config or taking the cache's lock;
-// - a graph stays alive as long as an executable that uses it: a call recorded into an XLA
-//   command buffer (a CUDA graph) replays cuDNN's kernels and workspace long after the call
-//   returned, so the graph must not be freed by the LRU cache while the executable lives.
+// - a graph stays alive as long as an executable that uses it: a call recorded into a command
+//   buffer (a CUDA graph) replays cuDNN's kernels long after the call returned, so the LRU
+//   cache must not free the graph while the executable lives;
+// - a recorded call's workspace must outlive the call too (per-call scratch would be gone),
+//   and must be the call's alone: XLA orders the commands of a CUDA graph only by the buffers
+//   it sees, so two of our calls in one executable may run at the same time.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "check.h"
+#include "device_memory.h"
 #include "sdpa_config.h"
 #include "sdpa_graphs.h"
 
@@ -23,7 +28,7 @@ class CallState {
   static XLA_FFI_TypeInfo type_info;
 
   CallState() = default;
-  ~CallState();  // hands its graphs to the cache, which frees them after their queued work
+  ~CallState();  // hands its graphs and workspaces to the cache, freed after queued work
   CallState(const CallState&) = delete;
   CallState& operator=(const CallState&) = delete;
 
@@ -31,11 +36,21 @@ class CallState {
   std::shared_ptr<SdpaGraph> Find(const SdpaConfig& config);
   void Remember(std::shared_ptr<SdpaGraph> graph);
 
+  // This call's own workspace for `graph` (remembered before), allocated on first use; may be
+  // called while XLA captures the stream.
+  ffi::Error OwnWorkspace(const SdpaGraph& graph, void** workspace);
+
  private:
+  struct Held {
+    std::shared_ptr<SdpaGraph> graph;
+    std::shared_ptr<DeviceMemory> workspace;  // command-buffer calls only
+  };
+  void ReleaseLocked(Held& held);
+
   // One executable may run on several devices; a handful of entries, searched linearly.
   static constexpr size_t kMaxGraphs = 16;
   std::mutex mutex_;
-  std::vector<std::shared_ptr<SdpaGraph>> graphs_;
+  std::vector<Held> held_;
 };
 
 }  // namespace jax_sdpa

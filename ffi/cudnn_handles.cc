@@ -3,6 +3,8 @@
 #include <map>
 #include <memory>
 
+#include "device_memory.h"
+
 namespace jax_sdpa {
 namespace {
 
@@ -10,26 +12,6 @@ struct DeviceHandle {
   std::mutex mutex;
   cudnnHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;  // the stream the handle is bound to
-};
-
-// Sets the current device for one scope and restores the caller's afterwards.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int32_t device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cudaSetDevice(device);
-      restore_ = true;
-    }
-  }
-  ~ScopedDevice() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  bool restore_ = false;
-  cudaError_t status_ = cudaSuccess;
 };
 
 ffi::Error CreateHandle(int32_t device, cudnnHandle_t* handle) {

@@ -93,15 +93,16 @@ void GraphCache::EvictLeastRecentLocked() {
   entries_.erase(found);
   ++stats_.evictions;
   if (entry->graph) {
-    retired_.push_back(Retired{std::move(entry->graph), nullptr});
+    retired_.push_back(Retired{std::move(entry->graph), nullptr, nullptr});
     retired_count_.store(static_cast<int64_t>(retired_.size()), std::memory_order_relaxed);
   }
 }
 
-void GraphCache::Release(std::shared_ptr<SdpaGraph> graph) {
+void GraphCache::Release(std::shared_ptr<SdpaGraph> graph,
+                         std::shared_ptr<DeviceMemory> workspace) {
   if (!graph) return;
   std::lock_guard<std::mutex> guard(mutex_);
-  retired_.push_back(Retired{std::move(graph), nullptr});
+  retired_.push_back(Retired{std::move(graph), std::move(workspace), nullptr});
   retired_count_.store(static_cast<int64_t>(retired_.size()), std::memory_order_relaxed);
 }
 

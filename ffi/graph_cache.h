@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "check.h"
+#include "device_memory.h"
 #include "sdpa_config.h"
 #include "sdpa_graphs.h"
 
@@ -43,9 +44,11 @@ class GraphCache {
   // A call that found its graph in its executable's state (call_state.h) counts as a hit.
   void CountHit() { hits_.fetch_add(1, std::memory_order_relaxed); }
 
-  // Takes one holder's reference to a graph; it is dropped once the work queued so far on the
-  // graph's device has run (the graph is freed then if nothing else holds it).
-  void Release(std::shared_ptr<SdpaGraph> graph);
+  // Takes one holder's reference to a graph (and a workspace used with it); they are dropped
+  // once the work queued so far on the graph's device has run (freed if nothing else holds
+  // them).
+  void Release(std::shared_ptr<SdpaGraph> graph,
+               std::shared_ptr<DeviceMemory> workspace = nullptr);
 
   // Frees let-go graphs whose work has run, from a call on `device` holding its handle lock.
   // A no-op costing one atomic load when there are none.
@@ -67,6 +70,7 @@ class GraphCache {
   // never on a stream XLA is capturing (a captured event record does not run until replay).
   struct Retired {
     std::shared_ptr<SdpaGraph> graph;
+    std::shared_ptr<DeviceMemory> workspace;
     cudaEvent_t queued_work_done = nullptr;
   };
 

@@ -9,21 +9,11 @@
 #include <memory>
 #include <random>
 
+#include "device_memory.h"
 #include "sdpa_graphs.h"
 
 namespace jax_sdpa {
 namespace {
-
-// Device memory freed at scope exit.
-struct DeviceMemory {
-  void* data = nullptr;
-  DeviceMemory() = default;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() {
-    if (data != nullptr) cudaFree(data);
-  }
-};
 
 // What a timing run owns: its device, stream, cuDNN handle and buffers, released in reverse.
 class Session {
@@ -47,8 +37,8 @@ class Session {
   // A new buffer of `bytes`, filled with `fill` repeated (or zeros when fill is empty).
   ffi::Error Allocate(int64_t bytes, const std::vector<uint16_t>& fill, void** out) {
     buffers_.push_back(std::make_unique<DeviceMemory>());
-    JAX_SDPA_CUDA_CHECK(cudaMalloc(&buffers_.back()->data, std::max<int64_t>(bytes, 1)));
-    *out = buffers_.back()->data;
+    JAX_SDPA_RETURN_IF_ERROR(buffers_.back()->Allocate(bytes));
+    *out = buffers_.back()->data();
     if (fill.empty()) {
       JAX_SDPA_CUDA_CHECK(cudaMemset(*out, 0, bytes));
       return ffi::Error::Success();
@@ -98,6 +88,30 @@ struct InputSet {
   ForwardBuffers forward;
   BackwardBuffers backward;
 };
+
+// The set's buffers as given: q, k, v, o, stats[, d_o, dq, dk, dv].
+ffi::Error GivenSet(const SdpaConfig& c, const BufferSet& given, InputSet* set) {
+  size_t expected = c.direction == Direction::kBackward ? 9 : 5;
+  if (given.size() != expected) {
+    return ffi::Error::InvalidArgument("jax_sdpa: an input set needs " +
+                                       std::to_string(expected) + " buffers, got " +
+                                       std::to_string(given.size()));
+  }
+  set->forward.in.q = set->backward.in.q = given[0];
+  set->forward.in.k = set->backward.in.k = given[1];
+  set->forward.in.v = set->backward.in.v = given[2];
+  set->forward.o = given[3];
+  set->forward.stats = given[4];
+  set->backward.o = given[3];
+  set->backward.stats = given[4];
+  if (expected == 9) {
+    set->backward.d_o = given[5];
+    set->backward.dq = given[6];
+    set->backward.dk = given[7];
+    set->backward.dv = given[8];
+  }
+  return ffi::Error::Success();
+}
 
 ffi::Error AllocateSet(Session& session, const SdpaConfig& c, const std::vector<uint16_t>& random,
                        InputSet* set) {
@@ -176,7 +190,7 @@ ffi::Error TimePlan(SdpaGraph& graph, Session& session, const std::vector<InputS
 }  // namespace
 
 ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     std::vector<PlanTiming>* timings) {
+                     const std::vector<BufferSet>& given, std::vector<PlanTiming>* timings) {
   if (config.bias_batch > 0 || config.padding || config.dropout > 0 || iterations < 1 ||
       input_sets < 1) {
     return ffi::Error::InvalidArgument(
@@ -185,9 +199,15 @@ ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input
   }
   Session session;
   JAX_SDPA_RETURN_IF_ERROR(session.Open(config.device));
-  std::vector<uint16_t> random = RandomPattern(config.element_type);
-  std::vector<InputSet> sets(static_cast<size_t>(input_sets));
-  for (InputSet& set : sets) JAX_SDPA_RETURN_IF_ERROR(AllocateSet(session, config, random, &set));
+  std::vector<InputSet> sets(given.empty() ? static_cast<size_t>(input_sets) : given.size());
+  if (given.empty()) {
+    std::vector<uint16_t> random = RandomPattern(config.element_type);
+    for (InputSet& set : sets) JAX_SDPA_RETURN_IF_ERROR(AllocateSet(session, config, random, &set));
+  } else {
+    for (size_t i = 0; i < sets.size(); ++i) {
+      JAX_SDPA_RETURN_IF_ERROR(GivenSet(config, given[i], &sets[i]));
+    }
+  }
 
   if (config.direction == Direction::kBackward) {
     // The backward reads the forward's output and statistics: compute them for every set.

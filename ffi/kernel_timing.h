@@ -23,9 +23,15 @@ struct PlanTiming {
   std::string error;           // why the plan has no time
 };
 
+// Device pointers of one input set the caller owns (e.g. JAX arrays' buffers), in the order
+// q, k, v, o, stats and, for the backward, d_o, dq, dk, dv. o and stats (and the gradients) are
+// overwritten.
+using BufferSet = std::vector<void*>;
+
 // Times config.direction's graph (no bias, lengths or dropout) on config.device: `iterations`
-// executions of each plan, rotating over `input_sets` sets of buffers.
+// executions of each plan, rotating over the `given` sets of buffers, or, if none are given,
+// over `input_sets` sets of buffers of random values.
 ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     std::vector<PlanTiming>* timings);
+                     const std::vector<BufferSet>& given, std::vector<PlanTiming>* timings);
 
 }  // namespace jax_sdpa

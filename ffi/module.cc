@@ -3,6 +3,7 @@
 #include <cudnn.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
@@ -35,7 +36,8 @@ nb::dict TargetStages(T* execute) {
 nb::list TimePlans(const std::string& direction, const std::string& dtype, int64_t batch,
                    int64_t q_seq_len, int64_t kv_seq_len, int64_t q_heads, int64_t kv_heads,
                    int64_t head_dim, int64_t head_dim_v, bool causal, float scale,
-                   int64_t iterations, int64_t input_sets, int32_t device) {
+                   int64_t iterations, int64_t input_sets,
+                   const std::vector<std::vector<uintptr_t>>& buffers, int32_t device) {
   jax_sdpa::SdpaConfig c;
   if ((direction != "forward" && direction != "backward") ||
       (dtype != "float16" && dtype != "bfloat16")) {
@@ -56,11 +58,16 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
   c.head_dim_v = head_dim_v;
   c.scale = scale;
   if (causal) c.window_right = 0;
+  std::vector<jax_sdpa::BufferSet> given;
+  for (const auto& set : buffers) {
+    given.emplace_back();
+    for (uintptr_t pointer : set) given.back().push_back(reinterpret_cast<void*>(pointer));
+  }
   std::vector<jax_sdpa::PlanTiming> timings;
   xla::ffi::Error status;
   {
     nb::gil_scoped_release released;  // seconds of GPU work
-    status = jax_sdpa::TimePlans(c, iterations, input_sets, &timings);
+    status = jax_sdpa::TimePlans(c, iterations, input_sets, given, &timings);
   }
   if (status.failure()) throw std::runtime_error(status.message());
   nb::list result;
@@ -102,9 +109,12 @@ NB_MODULE(_sdpa_ffi, m) {
   m.def("time_plans", &TimePlans, nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"),
         nb::arg("q_seq_len"), nb::arg("kv_seq_len"), nb::arg("q_heads"), nb::arg("kv_heads"),
         nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("causal"), nb::arg("scale"),
-        nb::arg("iterations"), nb::arg("input_sets"), nb::arg("device") = 0,
+        nb::arg("iterations"), nb::arg("input_sets"),
+        nb::arg("buffers") = std::vector<std::vector<uintptr_t>>(), nb::arg("device") = 0,
         "Times every cuDNN plan of one SDPA graph alone (CUDA events, a private stream): a "
-        "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order.");
+        "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order. "
+        "buffers: per input set, device pointers q, k, v, o, stats[, d_o, dq, dk, dv] the "
+        "caller owns; without them, input_sets sets of random values.");
   m.def("graph_cache_stats", []() {
     jax_sdpa::GraphCacheStats stats = jax_sdpa::GraphCache::Global().stats();
     nb::dict result;

@@ -2,7 +2,6 @@
 
 #include <cudnn_frontend.h>
 
-#include "capture_mode.h"
 
 #include <exception>
 #include <unordered_map>
@@ -224,20 +223,7 @@ SdpaGraph::SdpaGraph(const SdpaConfig& config, std::unique_ptr<Frontend> fronten
                      int64_t workspace_size)
     : config_(config), frontend_(std::move(frontend)), workspace_size_(workspace_size) {}
 
-SdpaGraph::~SdpaGraph() {
-  if (persistent_workspace_ != nullptr) cudaFree(persistent_workspace_);
-}
-
-ffi::Error SdpaGraph::PersistentWorkspace(void** workspace) {
-  if (persistent_workspace_ == nullptr && workspace_size_ > 0) {
-    // Possibly while XLA captures the stream: allocation is not a stream operation, so it is
-    // allowed once this thread's capture mode is relaxed for the call.
-    RelaxedCaptureMode relaxed;
-    JAX_SDPA_CUDA_CHECK(cudaMalloc(&persistent_workspace_, static_cast<size_t>(workspace_size_)));
-  }
-  *workspace = persistent_workspace_;
-  return ffi::Error::Success();
-}
+SdpaGraph::~SdpaGraph() = default;
 
 ffi::Error SdpaGraph::Build(const SdpaConfig& config, cudnnHandle_t handle,
                             std::shared_ptr<SdpaGraph>* out) {

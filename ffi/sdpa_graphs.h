@@ -70,12 +70,6 @@ class SdpaGraph {
   const SdpaConfig& config() const { return config_; }
   int64_t workspace_size() const { return workspace_size_; }
 
-  // A workspace owned by the graph, allocated on first use and freed with the graph: for calls
-  // recorded into CUDA graphs (XLA command buffers), whose replays outlive any per-call
-  // scratch allocation. Calls that share it are ordered on one stream. The caller holds the
-  // device's handle lock.
-  ffi::Error PersistentWorkspace(void** workspace);
-
   // Enqueue on the stream the handle is bound to; the caller holds the handle's lock.
   ffi::Error ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& buffers,
                             void* workspace, int64_t plan = kPreferredPlan);
@@ -94,7 +88,6 @@ class SdpaGraph {
   SdpaConfig config_;
   std::unique_ptr<Frontend> frontend_;
   int64_t workspace_size_ = 0;
-  void* persistent_workspace_ = nullptr;
 };
 
 }  // namespace jax_sdpa

@@ -29,7 +29,7 @@ struct Options {
   float dropout;
   bool dump_dropout_mask;
   bool poison_outputs;
-  bool command_buffer;  // registered as command-buffer compatible: graph-owned workspace
+  bool command_buffer;  // registered as command-buffer compatible: the call owns its workspace
 };
 
 std::string DimsToString(ffi::Span<const int64_t> dims) {
@@ -221,7 +221,7 @@ ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& gr
 
 // Finds the call's graph (in its executable's state, else the cache, else builds it) and its
 // workspace, holding the device's handle. In a command buffer the call's kernels replay after
-// this call returns, so the workspace must outlive it: the graph's own.
+// this call returns, so the workspace must outlive it: the call's own (call_state.h).
 ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch, CallState& state,
                         const CallPlan& plan, const Options& options, CudnnHandleLease* lease,
                         std::shared_ptr<SdpaGraph>* graph, void** workspace) {
@@ -235,7 +235,7 @@ ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch, Cal
     JAX_SDPA_RETURN_IF_ERROR(cache.GetOrBuild(plan.config, lease->handle, graph));
     state.Remember(*graph);
   }
-  if (options.command_buffer) return (*graph)->PersistentWorkspace(workspace);
+  if (options.command_buffer) return state.OwnWorkspace(**graph, workspace);
   return AllocateWorkspace(scratch, **graph, workspace);
 }
 

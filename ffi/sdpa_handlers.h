@@ -10,7 +10,7 @@
 // (vmap_method="broadcast_all"); they fold into the batch, or, for a bias shared across the
 // batch or a seed per slice, become repeated executions of one graph.
 // The *CommandBuffer handlers are the same, marked so that XLA may record them into its command
-// buffers (CUDA graphs); they use a workspace owned by the graph instead of per-call scratch.
+// buffers (CUDA graphs); each call then owns its workspace instead of per-call scratch.
 // Each target pairs an execute handler with CallStateInstantiateHandler, which creates the
 // per-call state (call_state.h) when XLA loads an executable.
 #pragma once

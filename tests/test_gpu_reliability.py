@@ -175,6 +175,29 @@ def test_command_buffers_keep_their_graphs_when_the_cache_evicts_them():
     print(out)
 
 
+def test_command_buffer_calls_in_one_executable_keep_their_own_workspaces(monkeypatch):
+    """Four independent fwd+bwd calls of one shape in one jit with JAX_SDPA_COMMAND_BUFFERS=1:
+    XLA orders the commands of its CUDA graphs only by the buffers it sees, so the calls may run
+    at the same time and each needs its own workspace. Every output and gradient equals, bit
+    for bit, the one computed without command buffers (deterministic backward)."""
+    inputs = [random_qkv(60 + i, 2, 256, 256, 4, 2, 64, jnp.bfloat16) for i in range(4)]
+
+    def step(inputs):
+        results = []
+        for q, k, v, d_out in inputs:
+            out, vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
+                q, k, v, is_causal=True, deterministic=True, implementation="cudnn"), q, k, v)
+            results.append((out, *vjp(d_out)))
+        return results
+    want = to_numpy(jax.tree.leaves(jax.jit(step)(inputs)))
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
+    recorded = jax.jit(lambda inputs: step(inputs))  # a new function: traced in this mode
+    assert "jax_sdpa_backward_cmdbuf" in recorded.lower(inputs).as_text()
+    for _ in range(3):
+        for got, expected in zip(to_numpy(jax.tree.leaves(recorded(inputs))), want):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_export_round_trip_runs_in_a_fresh_process(tmp_path):
     q, k, v, _ = random_qkv(31, 2, 128, 128, 4, 2, 64, jnp.bfloat16)
 
