@@ -16,9 +16,9 @@ import numpy as np
 FORWARD_TARGET = "jax_sdpa_forward"
 BACKWARD_TARGET = "jax_sdpa_backward"
 # The same handlers, marked command-buffer compatible (XLA may record them into CUDA graphs):
-# opt-in with JAX_SDPA_COMMAND_BUFFERS=1, read when a function is traced. Experimental
-# (docs/PERFORMANCE.md): each graph then owns its workspace, so calls of one shape must stay
-# ordered on one stream, as XLA's single compute stream keeps them.
+# opt-in with JAX_SDPA_COMMAND_BUFFERS=1, read when a function is traced (docs/PERFORMANCE.md).
+# Each call of an executable then owns its cuDNN workspace for the executable's life
+# (ffi/call_state.h) instead of taking scratch memory from XLA per call.
 COMMAND_BUFFER_SUFFIX = "_cmdbuf"
 
 
@@ -106,7 +106,9 @@ def cudnn_version() -> int:
 
 
 def graph_cache_stats() -> dict:
-    """{'entries', 'builds', 'hits'} of the process-wide cuDNN graph cache."""
+    """The process-wide cuDNN graph cache's counters: entries (graphs cached), capacity, builds,
+    hits (calls that found their graph, in their executable or the cache), evictions, retired
+    (graphs let go whose queued GPU work may still be running)."""
     return dict(extension().graph_cache_stats())
 
 
