@@ -1,0 +1,40 @@
+"""The benchmarks' bookkeeping, without a GPU: which plan calls run, and the ratios the plan
+table reports (benchmarks/plans.py), and config parsing (benchmarks/configs.py)."""
+
+import jax.numpy as jnp
+
+from benchmarks import plans
+from benchmarks.configs import parse_config
+
+
+def plan(index, ms, error=""):
+    return dict(plan=index, name=f"eng{index}", workspace_bytes=2**20, ms=ms, host_us=9.0,
+                error=error)
+
+
+def test_the_preferred_plan_is_the_first_that_built():
+    timings = [plan(0, -1, "not supported"), plan(1, 0.5), plan(2, 0.25)]
+    assert plans.preferred(timings)["plan"] == 1
+
+
+def test_plan_table_ratios():
+    result = dict(
+        config="c", plans={"forward": [plan(0, 0.2), plan(1, 0.4)],
+                           "backward": [plan(0, -1, "failed"), plan(1, 0.6)]},
+        alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
+        calls_ms={f"{impl}|{mode}": ms for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")
+                  for mode, ms in (("fwd", 0.21), ("fwd+bwd", 1.0))})
+    table = plans.markdown([result])
+    assert "| c | fwd | 0.200 | 0.210 (1.050) |" in table
+    assert "| c | fwd+bwd | 0.800 | 1.000 (1.250) |" in table
+    assert "| c | forward | 1 | eng1 | 0.400 | 2.000 | 1.0 | 9.0 |  |" in table
+    assert "| c | backward | 0 | eng0 | – | – | 1.0 | 9.0 | failed |" in table
+    assert "| c | backward | 1 | eng1 | 0.600 | 1.000 |" in table
+
+
+def test_parse_config():
+    config = parse_config("mine:2,2048,16,4,128,bf16,causal")
+    assert (config.name, config.batch, config.seq, config.q_heads, config.kv_heads,
+            config.head_dim, config.causal) == ("mine", 2, 2048, 16, 4, 128, True)
+    assert config.dtype == jnp.bfloat16
+    assert config.forward_flops() == 4.0 * 2 * 16 * 2048 ** 2 * 128 / 2
