@@ -58,6 +58,17 @@ def time_once(fn, inputs):
     return (time.perf_counter() - start) / CALLS
 
 
+def interleaved_rounds(fns, inputs_of, rounds):
+    """{key: [seconds per call, one per round]}: every round times every function once, in turn,
+    so that drift in clocks or temperature falls on all of them alike. inputs_of(key) gives the
+    function's inputs."""
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            samples[key].append(time_once(fn, inputs_of(key)))
+    return samples
+
+
 def relative_error(a, b):
     a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -75,10 +86,7 @@ def bench_config(config, rounds, command_buffers=False):
         first_out[key] = jax.block_until_ready(fn(inputs))[0]
         first_call[key] = time.perf_counter() - start
         jax.block_until_ready(fn(inputs))
-    samples = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():  # interleaved: every round visits every implementation
-            samples[key].append(time_once(fn, inputs))
+    samples = interleaved_rounds(fns, lambda key: inputs, rounds)
     rows = []
     for (name, mode), times in samples.items():
         seconds = statistics.median(times)

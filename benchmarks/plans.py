@@ -26,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.attention import CALLS, make_inputs, time_once, timed_functions
+from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
 from jax_sdpa import _ffi
@@ -76,11 +76,9 @@ def time_calls(config, rounds):
            for mode, fn in timed_functions(attention, config.causal).items() for n in chains}
     for (_, _, n), fn in fns.items():
         jax.block_until_ready(fn(chains[n]))
-    samples = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            samples[key].append(time_once(fn, chains[key[2]]) * CALLS)  # seconds per chain
-    chain_ms = {key: statistics.median(times) * 1e3 for key, times in samples.items()}
+    samples = interleaved_rounds(fns, lambda key: chains[key[2]], rounds)
+    # time_once gives seconds per call of a CALLS-call chain: CALLS times it is one chain.
+    chain_ms = {key: statistics.median(times) * CALLS * 1e3 for key, times in samples.items()}
     return {(name, mode): (chain_ms[(name, mode, 2 * CALLS)] - chain_ms[(name, mode, CALLS)])
             / CALLS for name, mode, _ in fns}
 

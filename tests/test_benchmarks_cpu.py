@@ -38,3 +38,21 @@ def test_parse_config():
             config.head_dim, config.causal) == ("mine", 2, 2048, 16, 4, 128, True)
     assert config.dtype == jnp.bfloat16
     assert config.forward_flops() == 4.0 * 2 * 16 * 2048 ** 2 * 128 / 2
+
+
+def test_rounds_interleave_every_function():
+    """Each round visits every function once, in turn, with its own inputs."""
+    from benchmarks.attention import interleaved_rounds
+
+    calls = []
+
+    def recorder(name):
+        def fn(inputs):
+            calls.append((name, inputs))
+            return jnp.zeros(())
+        return fn
+    samples = interleaved_rounds({"a": recorder("a"), "b": recorder("b")},
+                                 lambda key: key * 2, rounds=3)
+    assert calls == [("a", "aa"), ("b", "bb")] * 3
+    assert {key: len(times) for key, times in samples.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for times in samples.values() for t in times)
