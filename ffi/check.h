@@ -6,6 +6,7 @@
 #include <cudnn.h>
 
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -31,21 +32,47 @@ inline ffi::Error CudnnError(cudnnStatus_t status, const char* expr, const char*
                               (detail[0] ? std::string(": ") + detail : std::string()));
 }
 
+// A failed step, returned from a function that returns ffi::Error or ffi::ErrorOr<T> alike.
+struct Failure {
+  ffi::Error error;
+  operator ffi::Error() && { return std::move(error); }  // NOLINT: implicit by design
+  template <typename T>
+  operator ffi::ErrorOr<T>() && {  // NOLINT
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  }
+};
+
+inline ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_sdpa: " + message);
+}
+
 }  // namespace jax_sdpa
 
-#define JAX_SDPA_RETURN_IF_ERROR(expr)         \
-  do {                                         \
-    ::xla::ffi::Error jax_sdpa_error_ = (expr); \
-    if (jax_sdpa_error_.failure()) {           \
-      return jax_sdpa_error_;                  \
-    }                                          \
+#define JAX_SDPA_CONCAT_INNER(a, b) a##b
+#define JAX_SDPA_CONCAT(a, b) JAX_SDPA_CONCAT_INNER(a, b)
+
+#define JAX_SDPA_RETURN_IF_ERROR(expr)                          \
+  do {                                                          \
+    ::xla::ffi::Error jax_sdpa_error_ = (expr);                 \
+    if (jax_sdpa_error_.failure()) {                            \
+      return ::jax_sdpa::Failure{std::move(jax_sdpa_error_)};   \
+    }                                                           \
   } while (0)
+
+// `lhs = *expr` for an ffi::ErrorOr<T> expr, or returns its error.
+#define JAX_SDPA_ASSIGN_OR_RETURN(lhs, expr)                                              \
+  auto JAX_SDPA_CONCAT(jax_sdpa_result_, __LINE__) = (expr);                              \
+  if (!JAX_SDPA_CONCAT(jax_sdpa_result_, __LINE__).has_value()) {                          \
+    return ::jax_sdpa::Failure{std::move(JAX_SDPA_CONCAT(jax_sdpa_result_, __LINE__)).error()}; \
+  }                                                                                       \
+  lhs = std::move(*JAX_SDPA_CONCAT(jax_sdpa_result_, __LINE__))
 
 #define JAX_SDPA_CUDA_CHECK(expr)                                          \
   do {                                                                     \
     cudaError_t jax_sdpa_status_ = (expr);                                 \
     if (jax_sdpa_status_ != cudaSuccess) {                                 \
-      return ::jax_sdpa::CudaError(jax_sdpa_status_, #expr, __FILE__, __LINE__); \
+      return ::jax_sdpa::Failure{                                          \
+          ::jax_sdpa::CudaError(jax_sdpa_status_, #expr, __FILE__, __LINE__)}; \
     }                                                                      \
   } while (0)
 
@@ -53,6 +80,7 @@ inline ffi::Error CudnnError(cudnnStatus_t status, const char* expr, const char*
   do {                                                                       \
     cudnnStatus_t jax_sdpa_status_ = (expr);                                 \
     if (jax_sdpa_status_ != CUDNN_STATUS_SUCCESS) {                          \
-      return ::jax_sdpa::CudnnError(jax_sdpa_status_, #expr, __FILE__, __LINE__); \
+      return ::jax_sdpa::Failure{                                            \
+          ::jax_sdpa::CudnnError(jax_sdpa_status_, #expr, __FILE__, __LINE__)};  \
     }                                                                        \
   } while (0)

@@ -1,52 +1,79 @@
 #include "cudnn_handles.h"
 
 #include <map>
-#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "device_memory.h"
 
 namespace jax_sdpa {
 namespace {
 
-struct DeviceHandle {
-  std::mutex mutex;
-  cudnnHandle_t handle = nullptr;
-  cudaStream_t stream = nullptr;  // the stream the handle is bound to
+struct IdleHandle {
+  cudnnHandle_t handle;
+  cudaStream_t stream;  // the stream it was last bound to: rebinding is skipped when it matches
 };
 
-ffi::Error CreateHandle(int32_t device, cudnnHandle_t* handle) {
-  ScopedDevice scoped(device);
-  JAX_SDPA_CUDA_CHECK(scoped.status());
-  JAX_SDPA_CUDNN_CHECK(cudnnCreate(handle));
-  return ffi::Error::Success();
+// Handles live for the whole process: destroying them during interpreter shutdown, after the
+// CUDA context may be gone, is a known source of crashes at exit.
+struct Pool {
+  std::mutex mutex;
+  std::map<int32_t, std::vector<IdleHandle>> idle;  // per device
+};
+
+Pool& GlobalPool() {
+  static auto* pool = new Pool();
+  return *pool;
 }
 
-DeviceHandle& HandleForDevice(int32_t device) {
-  static std::mutex registry_mutex;
-  // Handles live for the whole process: destroying them during interpreter shutdown, after the
-  // CUDA context may be gone, is a known source of crashes at exit.
-  static auto* registry = new std::map<int32_t, std::unique_ptr<DeviceHandle>>();
-  std::lock_guard<std::mutex> guard(registry_mutex);
-  auto& slot = (*registry)[device];
-  if (!slot) slot = std::make_unique<DeviceHandle>();
-  return *slot;
+ffi::ErrorOr<cudnnHandle_t> CreateHandle(int32_t device) {
+  ScopedDevice scoped(device);
+  JAX_SDPA_CUDA_CHECK(scoped.status());
+  cudnnHandle_t handle = nullptr;
+  JAX_SDPA_CUDNN_CHECK(cudnnCreate(&handle));
+  return handle;
 }
 
 }  // namespace
 
-ffi::Error AcquireCudnnHandle(int32_t device, cudaStream_t stream, CudnnHandleLease* lease) {
-  DeviceHandle& entry = HandleForDevice(device);
-  std::unique_lock<std::mutex> lock(entry.mutex);
-  if (entry.handle == nullptr) {
-    JAX_SDPA_RETURN_IF_ERROR(CreateHandle(device, &entry.handle));
+ffi::ErrorOr<BorrowedCudnnHandle> BorrowedCudnnHandle::Borrow(int32_t device,
+                                                             cudaStream_t stream) {
+  IdleHandle taken{nullptr, nullptr};
+  {
+    Pool& pool = GlobalPool();
+    std::lock_guard<std::mutex> guard(pool.mutex);
+    std::vector<IdleHandle>& idle = pool.idle[device];
+    // Prefer a handle already bound to this stream (XLA uses one compute stream per device).
+    for (size_t i = idle.size(); i-- > 0;) {
+      if (idle[i].stream == stream || i == 0) {
+        taken = idle[i];
+        idle.erase(idle.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
   }
-  if (entry.stream != stream) {  // XLA calls come on one stream per device: rebind rarely
-    JAX_SDPA_CUDNN_CHECK(cudnnSetStream(entry.handle, stream));
-    entry.stream = stream;
+  if (taken.handle == nullptr) {
+    JAX_SDPA_ASSIGN_OR_RETURN(taken.handle, CreateHandle(device));
   }
-  lease->handle = entry.handle;
-  lease->lock = std::move(lock);
-  return ffi::Error::Success();
+  BorrowedCudnnHandle borrowed(device, taken.handle, taken.stream);
+  if (taken.stream != stream) {
+    JAX_SDPA_CUDNN_CHECK(cudnnSetStream(taken.handle, stream));
+    borrowed.stream_ = stream;
+  }
+  return borrowed;
+}
+
+BorrowedCudnnHandle::BorrowedCudnnHandle(BorrowedCudnnHandle&& other) noexcept
+    : device_(other.device_), handle_(other.handle_), stream_(other.stream_) {
+  other.handle_ = nullptr;
+}
+
+BorrowedCudnnHandle::~BorrowedCudnnHandle() {
+  if (handle_ == nullptr) return;
+  Pool& pool = GlobalPool();
+  std::lock_guard<std::mutex> guard(pool.mutex);
+  pool.idle[device_].push_back(IdleHandle{handle_, stream_});
 }
 
 }  // namespace jax_sdpa

@@ -15,7 +15,8 @@ int64_t CapacityFromEnvironment() {
   if (text == nullptr || *text == '\0') return kDefaultCapacity;
   char* end = nullptr;
   long long value = std::strtoll(text, &end, 10);
-  // Python checks the variable at import and names it in its error; this only guards the rest.
+  // jax_sdpa/_ffi.py checks the variable when it loads the extension and names it in its
+  // error; this only guards the rest.
   return (end != nullptr && *end == '\0' && value >= 1) ? value : kDefaultCapacity;
 }
 
@@ -38,8 +39,8 @@ GraphCache& GraphCache::Global() {
   return *cache;
 }
 
-ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
-                                  std::shared_ptr<SdpaGraph>* graph) {
+ffi::ErrorOr<std::shared_ptr<SdpaGraph>> GraphCache::GetOrBuild(const SdpaConfig& config,
+                                                                 cudnnHandle_t handle) {
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -49,8 +50,7 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
       recency_.splice(recency_.begin(), recency_, entry->recency);
       if (entry->graph) {
         CountHit();
-        *graph = entry->graph;
-        return ffi::Error::Success();
+        return entry->graph;
       }
     } else {
       entry = std::make_shared<Entry>();
@@ -66,15 +66,14 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
     std::lock_guard<std::mutex> guard(mutex_);
     if (entry->graph) {  // another thread built it while we waited
       CountHit();
-      *graph = entry->graph;
-      return ffi::Error::Success();
+      return entry->graph;
     }
   }
   // A failed build is not remembered: the next call with this config tries again.
   std::shared_ptr<SdpaGraph> built;
   {
     RelaxedCaptureMode relaxed;  // the first call may come while XLA captures the stream
-    JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(config, handle, &built));
+    JAX_SDPA_ASSIGN_OR_RETURN(built, SdpaGraph::Build(config, handle));
   }
   std::lock_guard<std::mutex> guard(mutex_);
   ++stats_.builds;
@@ -82,8 +81,7 @@ ffi::Error GraphCache::GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle
   // state) holds the graph, and lets it go through Release like any other.
   auto found = entries_.find(config);
   if (found != entries_.end() && found->second == entry) entry->graph = built;
-  *graph = std::move(built);
-  return ffi::Error::Success();
+  return built;
 }
 
 void GraphCache::EvictLeastRecentLocked() {

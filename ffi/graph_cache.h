@@ -37,9 +37,9 @@ class GraphCache {
  public:
   static GraphCache& Global();
 
-  // Returns the graph for `config`, building it with `handle` (locked by the caller) if needed.
-  ffi::Error GetOrBuild(const SdpaConfig& config, cudnnHandle_t handle,
-                        std::shared_ptr<SdpaGraph>* graph);
+  // Returns the graph for `config`, building it with `handle` (the caller's alone) if needed.
+  ffi::ErrorOr<std::shared_ptr<SdpaGraph>> GetOrBuild(const SdpaConfig& config,
+                                                     cudnnHandle_t handle);
 
   // A call that found its graph in its executable's state (call_state.h) counts as a hit.
   void CountHit() { hits_.fetch_add(1, std::memory_order_relaxed); }
@@ -50,7 +50,7 @@ class GraphCache {
   void Release(std::shared_ptr<SdpaGraph> graph,
                std::shared_ptr<DeviceMemory> workspace = nullptr);
 
-  // Frees let-go graphs whose work has run, from a call on `device` holding its handle lock.
+  // Frees let-go graphs whose work has run, from a call about to enqueue work on `device`.
   // A no-op costing one atomic load when there are none.
   void SweepIfPending(int32_t device, cudaStream_t stream);
 
@@ -65,9 +65,10 @@ class GraphCache {
     std::list<SdpaConfig>::iterator recency;  // position in recency_ (front: most recent)
   };
   // A let-go graph is freed only once the work queued with it has run: a kernel in flight must
-  // not outlive its plan. The event is recorded by the next call on the graph's own device (the
-  // caller holds that device's handle lock, so no other call on it is enqueueing meanwhile),
-  // never on a stream XLA is capturing (a captured event record does not run until replay).
+  // not outlive its plan. The event is recorded on the stream of the next call on the graph's
+  // own device (XLA queues one device's work on one compute stream), never on a stream XLA is
+  // capturing (a captured event record does not run until replay). Nothing can queue new work
+  // on a let-go graph: only the retired list still holds it once it is freed here.
   struct Retired {
     std::shared_ptr<SdpaGraph> graph;
     std::shared_ptr<DeviceMemory> workspace;

@@ -20,8 +20,8 @@ auto Fields(const SdpaConfig& c) {
                          static_cast<int32_t>(c.element_type), c.batch, c.q_seq_len,
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
                          FloatBits(c.scale), c.window_left, c.window_right, c.bottom_right,
-                         c.padding, c.bias_batch, c.bias_heads, c.bias_grad, c.deterministic,
-                         FloatBits(c.dropout), c.dump_dropout_mask);
+                         c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.bias_batch,
+                         c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout));
 }
 
 }  // namespace
@@ -40,12 +40,16 @@ std::string SdpaConfig::ToString() const {
       << ", head_dim_v=" << head_dim_v << ", scale=" << scale << ", window_left=" << window_left
       << ", window_right=" << window_right
       << ", alignment=" << (bottom_right ? "bottom_right" : "top_left") << ", padding=" << padding;
+  if (ragged) {
+    out << ", ragged documents (tokens: " << total_q_tokens << " query, " << total_kv_tokens
+        << " key/value)";
+  }
   if (bias_batch > 0) {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "
         << kv_seq_len << "]" << (bias_grad ? " with dbias" : "");
   }
   if (deterministic) out << ", deterministic";
-  if (dropout > 0) out << ", dropout=" << dropout << (dump_dropout_mask ? " (mask dumped)" : "");
+  if (dropout > 0) out << ", dropout=" << dropout;
   out << "}";
   return out.str();
 }

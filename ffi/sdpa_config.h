@@ -32,6 +32,13 @@ struct SdpaConfig {
   int64_t window_right = -1;
   bool bottom_right = false;
   bool padding = false;     // int32 [batch] actual lengths of queries and keys/values
+  // Packed documents (cuDNN's ragged layout): `batch` counts documents, each a run of tokens at
+  // its own offset into [total_q_tokens, heads, dim] (queries, output) and [total_kv_tokens, ...]
+  // (keys, values) memory, with its own lengths (padding is on); q_seq_len and kv_seq_len bound
+  // a document's lengths. Stats are token-major then: [total_q_tokens, q_heads].
+  bool ragged = false;
+  int64_t total_q_tokens = 0;
+  int64_t total_kv_tokens = 0;
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias
@@ -39,7 +46,6 @@ struct SdpaConfig {
   // Attention dropout: the probability of dropping a weight; > 0 adds Philox seed and offset
   // operands (int64 scalars on the device), so the backward drops what the forward dropped.
   float dropout = 0.0f;
-  bool dump_dropout_mask = false;  // forward, tests only: also write the keep mask [B, N, T, S]
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "call_state.h"
 #include "check.h"
@@ -13,23 +15,39 @@
 #include "sdpa_config.h"
 #include "sdpa_graphs.h"
 
+// The attributes both handlers take, declared once: the struct's fields, its decoding and the
+// names Python is checked against (HandlerAttributeNames) all come from this list.
+#define JAX_SDPA_ATTRIBUTES(X, SEP)                                                  \
+  X(float, scale)                                                                    \
+  SEP X(int64_t, window_left)  /* cuDNN's exclusive left bound; -1: none */          \
+  SEP X(int64_t, window_right) /* 0 is causal; -1: none */                           \
+  SEP X(bool, bottom_right)                                                          \
+  SEP X(bool, has_bias)                                                              \
+  SEP X(bool, has_lengths)                                                           \
+  SEP X(bool, ragged) /* packed documents: lengths per document, offsets */          \
+  SEP X(bool, bias_grad)                                                             \
+  SEP X(bool, deterministic)                                                         \
+  SEP X(float, dropout)                                                              \
+  SEP X(bool, zero_outputs) /* elements no document or length covers stay zero */    \
+  SEP X(int64_t, debug)     /* DebugFlags */                                         \
+  SEP X(bool, command_buffer) /* the call owns its workspace */
+
+#define JAX_SDPA_FIELD(type, name) type name;
+#define JAX_SDPA_DECODE(type, name) ::xla::ffi::StructMember<type>(#name)
+#define JAX_SDPA_NAME(type, name) #name
+#define JAX_SDPA_NOTHING
+#define JAX_SDPA_COMMA ,
+
 namespace jax_sdpa {
 namespace {
 
-// The attributes both handlers take.
 struct Options {
-  float scale;
-  int64_t window_left;
-  int64_t window_right;
-  bool bottom_right;
-  bool has_bias;
-  bool has_lengths;
-  bool bias_grad;
-  bool deterministic;
-  float dropout;
-  bool dump_dropout_mask;
-  bool poison_outputs;
-  bool command_buffer;  // registered as command-buffer compatible: the call owns its workspace
+  JAX_SDPA_ATTRIBUTES(JAX_SDPA_FIELD, JAX_SDPA_NOTHING)
+};
+
+// Bits of the `debug` attribute (tests only).
+enum DebugFlags : int64_t {
+  kPoisonOutputs = 1,  // NaN-fill outputs before cuDNN runs, to prove every element is written
 };
 
 std::string DimsToString(ffi::Span<const int64_t> dims) {
@@ -38,66 +56,120 @@ std::string DimsToString(ffi::Span<const int64_t> dims) {
   return text + "]";
 }
 
-ffi::Error BadArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument("jax_sdpa: " + message);
+std::string DimsToString(const std::vector<int64_t>& dims) {
+  return DimsToString(ffi::Span<const int64_t>(dims.data(), dims.size()));
 }
 
-ffi::Error ReadElementType(const ffi::AnyBuffer& buffer, const char* name, ElementType* type) {
+// The buffer has exactly this dtype and these dims, or an error naming it.
+ffi::Error CheckShape(const ffi::AnyBuffer& buffer, ffi::DataType type,
+                      const std::vector<int64_t>& expected, const char* name) {
+  auto dims = buffer.dimensions();
+  bool same = buffer.element_type() == type && dims.size() == expected.size();
+  for (size_t i = 0; same && i < dims.size(); ++i) same = dims[i] == expected[i];
+  if (!same) {
+    return InvalidArgument(std::string(name) + " must be " + DimsToString(expected) + " of " +
+                           "the expected dtype, got " + DimsToString(dims));
+  }
+  return ffi::Error::Success();
+}
+
+std::vector<int64_t> ToVector(ffi::Span<const int64_t> dims) {
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const char* name) {
   switch (buffer.element_type()) {
     case ffi::DataType::F16:
-      *type = ElementType::kFloat16;
-      return ffi::Error::Success();
+      return ElementType::kFloat16;
     case ffi::DataType::BF16:
-      *type = ElementType::kBFloat16;
-      return ffi::Error::Success();
+      return ElementType::kBFloat16;
     default:
-      return BadArgument(std::string(name) + " must be float16 or bfloat16");
+      return Failure{InvalidArgument(std::string(name) + " must be float16 or bfloat16")};
   }
 }
+
+// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
+// [dropout_seed].
+struct OptionalInputs {
+  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, dropout_seed;
+};
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
 // time on the next 1/repeats of every operand.
 struct CallPlan {
   SdpaConfig config;
   int64_t repeats = 1;
+  int64_t offsets_row = 0;  // ragged: elements per row of the offsets operand
+  OptionalInputs optional;
 };
 
-// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [dropout_seed].
-struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, dropout_seed;
-};
+ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
+                                                const Options& options) {
+  bool has_dropout = options.dropout > 0;
+  size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
+                    (options.ragged ? 1 : 0) + (has_dropout ? 1 : 0);
+  if (rest.size() != expected) {
+    return Failure{InvalidArgument("expected " + std::to_string(expected) +
+                                   " optional operands, got " + std::to_string(rest.size()))};
+  }
+  OptionalInputs inputs;
+  size_t index = 0;
+  auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> ffi::Error {
+    auto buffer = rest.get<ffi::AnyBuffer>(index++);
+    if (!buffer.has_value()) return buffer.error();
+    *slot = *buffer;
+    return ffi::Error::Success();
+  };
+  if (options.has_bias) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.bias));
+  if (options.has_lengths) {
+    JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_lengths));
+    JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_lengths));
+  }
+  if (options.ragged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.offsets));
+  if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
+  return inputs;
+}
 
-ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                    const OptionalInputs& optional, const Options& options, CallPlan* plan) {
+int64_t QueryTokens(const SdpaConfig& c) {
+  return c.ragged ? c.total_q_tokens : c.batch * c.q_seq_len;
+}
+
+// Reads the operands into a graph config; every shape is checked here, before cuDNN sees it.
+ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
+                                const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                const ffi::RemainingArgs& rest, const Options& options) {
+  CallPlan plan;
+  JAX_SDPA_ASSIGN_OR_RETURN(plan.optional, ReadOptionalInputs(rest, options));
+  const OptionalInputs& optional = plan.optional;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto vd = v.dimensions();
   size_t rank = qd.size();
   if (rank < 4 || kd.size() != rank || vd.size() != rank) {
-    return BadArgument("query, key and value must share one rank >= 4, got " + DimsToString(qd) +
-                       ", " + DimsToString(kd) + ", " + DimsToString(vd));
+    return Failure{InvalidArgument("query, key and value must share one rank >= 4, got " +
+                                   DimsToString(qd) + ", " + DimsToString(kd) + ", " +
+                                   DimsToString(vd))};
   }
   int64_t vmapped = 1;  // product of the leading (vmap) axes
   for (size_t i = 0; i + 4 < rank; ++i) {
-    if (qd[i] != kd[i]) return BadArgument("query and key leading axes differ");
+    if (qd[i] != kd[i]) return Failure{InvalidArgument("query and key leading axes differ")};
     vmapped *= qd[i];
   }
   int64_t batch = qd[rank - 4];
-  SdpaConfig& c = plan->config;
+  SdpaConfig& c = plan.config;
   c.direction = direction;
   c.device = device;
-  JAX_SDPA_RETURN_IF_ERROR(ReadElementType(q, "query", &c.element_type));
-  ElementType k_type, v_type;
-  JAX_SDPA_RETURN_IF_ERROR(ReadElementType(k, "key", &k_type));
-  JAX_SDPA_RETURN_IF_ERROR(ReadElementType(v, "value", &v_type));
+  JAX_SDPA_ASSIGN_OR_RETURN(c.element_type, ReadElementType(q, "query"));
+  JAX_SDPA_ASSIGN_OR_RETURN(ElementType k_type, ReadElementType(k, "key"));
+  JAX_SDPA_ASSIGN_OR_RETURN(ElementType v_type, ReadElementType(v, "value"));
   bool same_kv = true;  // key and value agree on every axis but head_dim
   for (size_t i = 0; i + 1 < rank; ++i) same_kv &= kd[i] == vd[i];
   if (k_type != c.element_type || v_type != c.element_type || !same_kv ||
       kd[rank - 4] != batch || kd[rank - 1] != qd[rank - 1] || kd[rank - 2] == 0 ||
       qd[rank - 2] % kd[rank - 2] != 0) {
-    return BadArgument("query " + DimsToString(qd) + ", key " + DimsToString(kd) + " and value " +
-                       DimsToString(vd) + " do not form one attention problem");
+    return Failure{InvalidArgument("query " + DimsToString(qd) + ", key " + DimsToString(kd) +
+                                   " and value " + DimsToString(vd) +
+                                   " do not form one attention problem")};
   }
   c.q_seq_len = qd[rank - 3];
   c.kv_seq_len = kd[rank - 3];
@@ -110,133 +182,156 @@ ffi::Error PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q
   c.window_right = options.window_right;
   c.bottom_right = options.bottom_right;
   c.deterministic = direction == Direction::kBackward && options.deterministic;
-  c.padding = optional.q_lengths.has_value();
+  c.padding = options.has_lengths;
+  c.ragged = options.ragged;
+  c.dropout = options.dropout;
+  if (c.ragged && !c.padding) {
+    return Failure{InvalidArgument("the ragged layout needs per-document lengths")};
+  }
+  // Lengths are int32 [batch], or [documents] in the ragged layout, per vmapped slice.
+  int64_t entries = batch;
   if (c.padding) {
+    int64_t count = static_cast<int64_t>(optional.q_lengths->element_count());
+    if (c.ragged) entries = count / vmapped;
     for (const ffi::AnyBuffer* lengths : {&*optional.q_lengths, &*optional.kv_lengths}) {
       if (lengths->element_type() != ffi::DataType::S32 ||
-          static_cast<int64_t>(lengths->element_count()) != vmapped * batch) {
-        return BadArgument("sequence lengths must be int32 [batch], got " +
-                           DimsToString(lengths->dimensions()));
+          static_cast<int64_t>(lengths->element_count()) != vmapped * entries || entries == 0) {
+        return Failure{InvalidArgument(std::string("sequence lengths must be int32 [") +
+                                       (c.ragged ? "documents" : "batch") + "], got " +
+                                       DimsToString(lengths->dimensions()))};
       }
     }
   }
-  c.dropout = options.dropout;
-  c.dump_dropout_mask = direction == Direction::kForward && options.dump_dropout_mask;
+  if (c.ragged) {
+    const ffi::AnyBuffer& offsets = *optional.offsets;
+    int64_t count = static_cast<int64_t>(offsets.element_count());
+    plan.offsets_row = count / (5 * vmapped);
+    if (offsets.element_type() != ffi::DataType::S32 || count != 5 * vmapped * plan.offsets_row ||
+        plan.offsets_row < entries + 1) {
+      return Failure{InvalidArgument("ragged offsets must be int32 [5, >= documents + 1], got " +
+                                     DimsToString(offsets.dimensions()) + " for " +
+                                     std::to_string(entries) + " documents")};
+    }
+  }
   if (c.dropout > 0) {
     const ffi::AnyBuffer& seed = *optional.dropout_seed;
     if (seed.element_type() != ffi::DataType::U32 ||
         static_cast<int64_t>(seed.element_count()) != vmapped * 4) {
-      return BadArgument("the dropout seed must be uint32 [4], got " +
-                         DimsToString(seed.dimensions()));
+      return Failure{InvalidArgument("the dropout seed must be uint32 [4], got " +
+                                     DimsToString(seed.dimensions()))};
     }
   }
   // The graph runs once per vmapped slice when a slice's operands cannot be folded into one
-  // batch: a bias shared by the slice's batch (no single batch stride says that), or a dropout
-  // seed per slice.
+  // batch: a bias shared by the slice's batch (no single batch stride says that), a dropout
+  // seed per slice, or documents whose offsets count from their slice's start.
   bool shared_bias = optional.bias && optional.bias->dimensions()[rank - 4] == 1 && batch > 1;
-  bool per_slice = vmapped > 1 && (shared_bias || c.dropout > 0);
-  plan->repeats = per_slice ? vmapped : 1;
-  c.batch = per_slice ? batch : vmapped * batch;
+  bool per_slice = vmapped > 1 && (shared_bias || c.dropout > 0 || c.ragged);
+  plan.repeats = per_slice ? vmapped : 1;
+  int64_t folded_batch = per_slice ? batch : vmapped * batch;
+  if (c.ragged) {
+    c.batch = entries;
+    c.total_q_tokens = folded_batch * c.q_seq_len;
+    c.total_kv_tokens = folded_batch * c.kv_seq_len;
+  } else {
+    c.batch = folded_batch;
+  }
   if (optional.bias) {
+    if (c.ragged) return Failure{InvalidArgument("a bias cannot go with the ragged layout")};
     auto bd = optional.bias->dimensions();
-    ElementType bias_type;
-    JAX_SDPA_RETURN_IF_ERROR(ReadElementType(*optional.bias, "bias", &bias_type));
+    JAX_SDPA_ASSIGN_OR_RETURN(ElementType bias_type, ReadElementType(*optional.bias, "bias"));
     int64_t bias_vmapped = 1;
     for (size_t i = 0; bd.size() == rank && i + 4 < rank; ++i) bias_vmapped *= bd[i];
     if (bd.size() != rank || bias_type != c.element_type || bias_vmapped != vmapped ||
         (bd[rank - 4] != 1 && bd[rank - 4] != batch) ||
         (bd[rank - 3] != 1 && bd[rank - 3] != c.q_heads) || bd[rank - 2] != c.q_seq_len ||
         bd[rank - 1] != c.kv_seq_len) {
-      return BadArgument("bias " + DimsToString(bd) + " must be [1|batch, 1|heads, q_seq, "
-                         "kv_seq] in the inputs' dtype, for query " + DimsToString(qd));
+      return Failure{InvalidArgument("bias " + DimsToString(bd) +
+                                     " must be [1|batch, 1|heads, q_seq, kv_seq] in the inputs' "
+                                     "dtype, for query " + DimsToString(qd))};
     }
     c.bias_heads = bd[rank - 3];
     c.bias_batch = per_slice ? bd[rank - 4] : bd[rank - 4] * vmapped;
     c.bias_grad = direction == Direction::kBackward && options.bias_grad;
   }
-  return ffi::Error::Success();
-}
-
-ffi::Error ExpectShape(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, const char* name) {
-  if (buffer.element_type() != like.element_type() ||
-      buffer.element_count() != like.element_count()) {
-    return BadArgument(std::string(name) + " " + DimsToString(buffer.dimensions()) +
-                       " does not match " + DimsToString(like.dimensions()));
-  }
-  return ffi::Error::Success();
+  return plan;
 }
 
 // The output (and its cotangent): the query's shape with the value's head_dim.
-ffi::Error ExpectOutputShape(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& q,
-                             const CallPlan& plan, const char* name) {
-  const SdpaConfig& c = plan.config;
-  if (buffer.element_type() != q.element_type() ||
-      static_cast<int64_t>(buffer.element_count()) !=
-          plan.repeats * c.batch * c.q_seq_len * c.q_heads * c.head_dim_v) {
-    return BadArgument(std::string(name) + " " + DimsToString(buffer.dimensions()) +
-                       " is not the query's shape with head_dim " + std::to_string(c.head_dim_v));
-  }
-  return ffi::Error::Success();
+std::vector<int64_t> OutputDims(const ffi::AnyBuffer& q, const SdpaConfig& c) {
+  std::vector<int64_t> dims = ToVector(q.dimensions());
+  dims.back() = c.head_dim_v;
+  return dims;
 }
 
-ffi::Error ExpectStats(const ffi::AnyBuffer& stats, const CallPlan& plan) {
-  const SdpaConfig& c = plan.config;
-  if (stats.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(stats.element_count()) !=
-          plan.repeats * c.batch * c.q_heads * c.q_seq_len) {
-    return BadArgument("stats must be float32 [batch, q_heads, q_seq], got " +
-                       DimsToString(stats.dimensions()) + " for " + c.ToString());
-  }
-  return ffi::Error::Success();
+// Stats: [..., batch, q_heads, q_seq], or token-major [..., batch, q_seq, q_heads] (ragged).
+std::vector<int64_t> StatsDims(const ffi::AnyBuffer& q, const SdpaConfig& c) {
+  std::vector<int64_t> dims = ToVector(q.dimensions());
+  size_t rank = dims.size();
+  int64_t seq = dims[rank - 3], heads = dims[rank - 2];
+  dims.pop_back();
+  dims[rank - 3] = c.ragged ? seq : heads;
+  dims[rank - 2] = c.ragged ? heads : seq;
+  return dims;
 }
 
-// Fills an output before cuDNN runs: zeros where padding leaves elements unwritten by cuDNN, or
-// all-ones bytes (NaN in every float type) when a test asks to prove every element is written.
-ffi::Error Prefill(cudaStream_t stream, const SdpaConfig& config, const Options& options,
-                   ffi::AnyBuffer buffer) {
-  if (config.padding) {
+// Fills an output before cuDNN runs: zeros where elements may be left unwritten by cuDNN
+// (padding, tokens of no document), or all-ones bytes (NaN in every float type) when a test
+// asks to prove every element is written.
+ffi::Error Prefill(cudaStream_t stream, const Options& options, ffi::AnyBuffer buffer) {
+  if (options.zero_outputs) {
     JAX_SDPA_CUDA_CHECK(cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream));
-  } else if (options.poison_outputs) {
+  } else if (options.debug & kPoisonOutputs) {
     JAX_SDPA_CUDA_CHECK(
         cudaMemsetAsync(buffer.untyped_data(), 0xFF, buffer.size_bytes(), stream));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& graph,
-                             void** workspace) {
-  *workspace = nullptr;
-  if (graph.workspace_size() == 0) return ffi::Error::Success();
+ffi::ErrorOr<void*> AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& graph) {
+  if (graph.workspace_size() == 0) return static_cast<void*>(nullptr);
   // Allocate(size) with the default alignment: XLA's allocations are 256-byte aligned anyway,
-  // and an explicit alignment argument returned nothing on JAX 0.11.2 (shared/DEVICE.md).
+  // and an explicit alignment argument returned nothing on JAX 0.11.2 (docs/DEVELOPING.md).
   std::optional<void*> memory = scratch.Allocate(static_cast<size_t>(graph.workspace_size()));
   if (!memory.has_value() || *memory == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "jax_sdpa: could not allocate " + std::to_string(graph.workspace_size()) +
-                          " bytes of cuDNN workspace for " + graph.config().ToString());
+    return Failure{ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                              "jax_sdpa: could not allocate " +
+                                  std::to_string(graph.workspace_size()) +
+                                  " bytes of cuDNN workspace for " + graph.config().ToString())};
   }
-  *workspace = *memory;
-  return ffi::Error::Success();
+  return *memory;
 }
 
+// What a call runs with: a handle bound to its stream, its graph and its workspace.
+struct PreparedCall {
+  BorrowedCudnnHandle handle;
+  std::shared_ptr<SdpaGraph> graph;
+  void* workspace = nullptr;
+};
+
 // Finds the call's graph (in its executable's state, else the cache, else builds it) and its
-// workspace, holding the device's handle. In a command buffer the call's kernels replay after
-// this call returns, so the workspace must outlive it: the call's own (call_state.h).
-ffi::Error PrepareGraph(cudaStream_t stream, ffi::ScratchAllocator& scratch, CallState& state,
-                        const CallPlan& plan, const Options& options, CudnnHandleLease* lease,
-                        std::shared_ptr<SdpaGraph>* graph, void** workspace) {
-  JAX_SDPA_RETURN_IF_ERROR(AcquireCudnnHandle(plan.config.device, stream, lease));
+// workspace. In a command buffer the call's kernels replay after this call returns, so the
+// workspace must outlive it: the call's own (call_state.h).
+ffi::ErrorOr<PreparedCall> PrepareCall(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                                       CallState& state, const SdpaConfig& config,
+                                       const Options& options) {
+  JAX_SDPA_ASSIGN_OR_RETURN(BorrowedCudnnHandle handle,
+                            BorrowedCudnnHandle::Borrow(config.device, stream));
+  PreparedCall prepared{std::move(handle), nullptr, nullptr};
   GraphCache& cache = GraphCache::Global();
-  cache.SweepIfPending(plan.config.device, stream);
-  *graph = state.Find(plan.config);
-  if (*graph) {
+  cache.SweepIfPending(config.device, stream);
+  prepared.graph = state.Find(config);
+  if (prepared.graph) {
     cache.CountHit();
   } else {
-    JAX_SDPA_RETURN_IF_ERROR(cache.GetOrBuild(plan.config, lease->handle, graph));
-    state.Remember(*graph);
+    JAX_SDPA_ASSIGN_OR_RETURN(prepared.graph, cache.GetOrBuild(config, prepared.handle.get()));
+    state.Remember(prepared.graph);
   }
-  if (options.command_buffer) return state.OwnWorkspace(**graph, workspace);
-  return AllocateWorkspace(scratch, **graph, workspace);
+  if (options.command_buffer) {
+    JAX_SDPA_RETURN_IF_ERROR(state.OwnWorkspace(*prepared.graph, &prepared.workspace));
+  } else {
+    JAX_SDPA_ASSIGN_OR_RETURN(prepared.workspace, AllocateWorkspace(scratch, *prepared.graph));
+  }
+  return prepared;
 }
 
 // Pointer to the r-th of `repeats` equal slices of a buffer.
@@ -247,43 +342,10 @@ void* MutableSlice(ffi::AnyBuffer buffer, int64_t r, int64_t repeats) {
   return static_cast<char*>(buffer.untyped_data()) + r * (buffer.size_bytes() / repeats);
 }
 
-ffi::Error ReadOptionalInputs(const ffi::RemainingArgs& rest, const Options& options,
-                              OptionalInputs* inputs) {
-  bool has_dropout = options.dropout > 0;
-  size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
-                    (has_dropout ? 1 : 0);
-  if (rest.size() != expected) {
-    return BadArgument("expected " + std::to_string(expected) + " optional operands, got " +
-                       std::to_string(rest.size()));
-  }
-  size_t index = 0;
-  auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> ffi::Error {
-    auto buffer = rest.get<ffi::AnyBuffer>(index++);
-    if (!buffer.has_value()) return buffer.error();
-    *slot = *buffer;
-    return ffi::Error::Success();
-  };
-  if (options.has_bias) JAX_SDPA_RETURN_IF_ERROR(next(&inputs->bias));
-  if (options.has_lengths) {
-    JAX_SDPA_RETURN_IF_ERROR(next(&inputs->q_lengths));
-    JAX_SDPA_RETURN_IF_ERROR(next(&inputs->kv_lengths));
-  }
-  if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs->dropout_seed));
-  return ffi::Error::Success();
-}
-
-// What both handlers do first: read the optional operands and map the call onto a graph config.
-ffi::Error StartCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                     const ffi::RemainingArgs& rest, const Options& options,
-                     OptionalInputs* optional, CallPlan* plan) {
-  JAX_SDPA_RETURN_IF_ERROR(ReadOptionalInputs(rest, options, optional));
-  return PlanCall(direction, device, q, k, v, *optional, options, plan);
-}
-
 AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                            const ffi::AnyBuffer& v, const OptionalInputs& optional, int64_t r,
-                            int64_t repeats) {
+                            const ffi::AnyBuffer& v, const CallPlan& plan, int64_t r) {
+  const OptionalInputs& optional = plan.optional;
+  int64_t repeats = plan.repeats;
   AttentionInputs in;
   in.q = Slice(q, r, repeats);
   in.k = Slice(k, r, repeats);
@@ -293,6 +355,11 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     in.q_lengths = Slice(*optional.q_lengths, r, repeats);
     in.kv_lengths = Slice(*optional.kv_lengths, r, repeats);
   }
+  if (optional.offsets) {
+    const int32_t* rows = static_cast<const int32_t*>(Slice(*optional.offsets, r, repeats));
+    in.offsets = {rows, rows + plan.offsets_row, rows + 2 * plan.offsets_row,
+                  rows + 3 * plan.offsets_row, rows + 4 * plan.offsets_row};
+  }
   if (optional.dropout_seed) in.dropout_seed = Slice(*optional.dropout_seed, r, repeats);
   return in;
 }
@@ -300,41 +367,23 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
 ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> stats, ffi::RemainingRets extra_results,
-                       Options options) {
+                       ffi::Result<ffi::AnyBuffer> stats, Options options) {
   try {
-    OptionalInputs optional;
-    CallPlan plan;
-    JAX_SDPA_RETURN_IF_ERROR(
-        StartCall(Direction::kForward, device, q, k, v, rest, options, &optional, &plan));
+    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
+                              PlanCall(Direction::kForward, device, q, k, v, rest, options));
     const SdpaConfig& c = plan.config;
-    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(*o, q, plan, "output"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectStats(*stats, plan));
-    std::optional<ffi::AnyBuffer> dropout_mask;
-    if (c.dump_dropout_mask) {
-      auto result = extra_results.get<ffi::AnyBuffer>(0);
-      if (!result.has_value()) return result.error();
-      dropout_mask = **result;
-      if (dropout_mask->element_type() != ffi::DataType::F32 ||
-          static_cast<int64_t>(dropout_mask->element_count()) !=
-              plan.repeats * c.batch * c.q_heads * c.q_seq_len * c.kv_seq_len) {
-        return BadArgument("the dropout mask must be float32 [batch, q_heads, q_seq, kv_seq]");
-      }
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *dropout_mask));
-    }
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *o));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, c, options, *stats));
-    CudnnHandleLease lease;
-    std::shared_ptr<SdpaGraph> graph;
-    void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, *state, plan, options, &lease, &graph, &workspace));
+    JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
+    JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *o));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *stats));
+    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call, PrepareCall(stream, scratch, *state, c, options));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       ForwardBuffers buffers;
-      buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
+      buffers.in = InputsSlice(q, k, v, plan, r);
       buffers.o = MutableSlice(*o, r, plan.repeats);
       buffers.stats = MutableSlice(*stats, r, plan.repeats);
-      if (dropout_mask) buffers.dropout_mask = MutableSlice(*dropout_mask, r, plan.repeats);
-      JAX_SDPA_RETURN_IF_ERROR(graph->ExecuteForward(lease.handle, buffers, workspace));
+      JAX_SDPA_RETURN_IF_ERROR(
+          call.graph->ExecuteForward(call.handle.get(), buffers, call.workspace));
     }
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -343,40 +392,42 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
 }
 
 ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                        ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::RemainingArgs rest,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets extra_results,
-                        Options options) {
+                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer o, ffi::AnyBuffer stats, ffi::AnyBuffer d_o,
+                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::RemainingRets extra_results, Options options) {
   try {
-    OptionalInputs optional;
-    CallPlan plan;
+    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
+                              PlanCall(Direction::kBackward, device, q, k, v, rest, options));
+    const SdpaConfig& c = plan.config;
+    JAX_SDPA_RETURN_IF_ERROR(CheckShape(o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(
-        StartCall(Direction::kBackward, device, q, k, v, rest, options, &optional, &plan));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(o, q, plan, "output"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectOutputShape(d_o, q, plan, "output cotangent"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dq, q, "query gradient"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dk, k, "key gradient"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dv, v, "value gradient"));
-    JAX_SDPA_RETURN_IF_ERROR(ExpectStats(stats, plan));
+        CheckShape(d_o, q.element_type(), OutputDims(q, c), "output cotangent"));
+    JAX_SDPA_RETURN_IF_ERROR(CheckShape(stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
+    JAX_SDPA_RETURN_IF_ERROR(
+        CheckShape(*dq, q.element_type(), ToVector(q.dimensions()), "query gradient"));
+    JAX_SDPA_RETURN_IF_ERROR(
+        CheckShape(*dk, k.element_type(), ToVector(k.dimensions()), "key gradient"));
+    JAX_SDPA_RETURN_IF_ERROR(
+        CheckShape(*dv, v.element_type(), ToVector(v.dimensions()), "value gradient"));
     std::optional<ffi::AnyBuffer> dbias;
-    if (plan.config.bias_grad) {
+    if (c.bias_grad) {
       auto result = extra_results.get<ffi::AnyBuffer>(0);
       if (!result.has_value()) return result.error();
       dbias = **result;
-      JAX_SDPA_RETURN_IF_ERROR(ExpectShape(*dbias, *optional.bias, "bias gradient"));
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, plan.config, options, *dbias));
+      const ffi::AnyBuffer& bias = *plan.optional.bias;
+      JAX_SDPA_RETURN_IF_ERROR(CheckShape(*dbias, bias.element_type(),
+                                          ToVector(bias.dimensions()), "bias gradient"));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *dbias));
     }
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, plan.config, options, out));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, out));
     }
-    CudnnHandleLease lease;
-    std::shared_ptr<SdpaGraph> graph;
-    void* workspace;
-    JAX_SDPA_RETURN_IF_ERROR(PrepareGraph(stream, scratch, *state, plan, options, &lease, &graph, &workspace));
+    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call, PrepareCall(stream, scratch, *state, c, options));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       BackwardBuffers buffers;
-      buffers.in = InputsSlice(q, k, v, optional, r, plan.repeats);
+      buffers.in = InputsSlice(q, k, v, plan, r);
       buffers.o = Slice(o, r, plan.repeats);
       buffers.d_o = Slice(d_o, r, plan.repeats);
       buffers.stats = Slice(stats, r, plan.repeats);
@@ -384,7 +435,8 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       buffers.dk = MutableSlice(*dk, r, plan.repeats);
       buffers.dv = MutableSlice(*dv, r, plan.repeats);
       if (dbias) buffers.dbias = MutableSlice(*dbias, r, plan.repeats);
-      JAX_SDPA_RETURN_IF_ERROR(graph->ExecuteBackward(lease.handle, buffers, workspace));
+      JAX_SDPA_RETURN_IF_ERROR(
+          call.graph->ExecuteBackward(call.handle.get(), buffers, call.workspace));
     }
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -396,18 +448,14 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
 }  // namespace jax_sdpa
 
 // Attributes decode into one struct, by name.
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jax_sdpa::Options, ::xla::ffi::StructMember<float>("scale"),
-    ::xla::ffi::StructMember<int64_t>("window_left"),
-    ::xla::ffi::StructMember<int64_t>("window_right"),
-    ::xla::ffi::StructMember<bool>("bottom_right"), ::xla::ffi::StructMember<bool>("has_bias"),
-    ::xla::ffi::StructMember<bool>("has_lengths"), ::xla::ffi::StructMember<bool>("bias_grad"),
-    ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<float>("dropout"),
-    ::xla::ffi::StructMember<bool>("dump_dropout_mask"),
-    ::xla::ffi::StructMember<bool>("poison_outputs"),
-    ::xla::ffi::StructMember<bool>("command_buffer"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::Options,
+                                      JAX_SDPA_ATTRIBUTES(JAX_SDPA_DECODE, JAX_SDPA_COMMA));
 
 namespace jax_sdpa {
+
+std::vector<std::string> HandlerAttributeNames() {
+  return {JAX_SDPA_ATTRIBUTES(JAX_SDPA_NAME, JAX_SDPA_COMMA)};
+}
 
 // Every call's context and fixed inputs; the backward adds o, stats and d_o.
 auto AttentionBinding() {
@@ -423,10 +471,9 @@ auto AttentionBinding() {
 
 auto ForwardBinding() {
   return AttentionBinding()
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [seed]
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [seed]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
-      .RemainingRets()        // [dropout_mask] (tests)
       .Attrs<Options>();
 }
 
@@ -435,7 +482,7 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [seed]
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [seed]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import glob
@@ -11,23 +10,25 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-FORWARD_TARGET = "jax_sdpa_forward"
-BACKWARD_TARGET = "jax_sdpa_backward"
-# The same handlers, marked command-buffer compatible (XLA may record them into CUDA graphs):
-# opt-in with JAX_SDPA_COMMAND_BUFFERS=1, read when a function is traced (docs/PERFORMANCE.md).
-# Each call of an executable then owns its cuDNN workspace for the executable's life
-# (ffi/call_state.h) instead of taking scratch memory from XLA per call.
-COMMAND_BUFFER_SUFFIX = "_cmdbuf"
 
 
 def command_buffers() -> bool:
+    """JAX_SDPA_COMMAND_BUFFERS=1: our calls use the FFI targets XLA may record into its command
+    buffers (CUDA graphs); read when a call is traced. Each call of an executable then owns its
+    cuDNN workspace for the executable's life (ffi/call_state.h) instead of taking scratch
+    memory from XLA per call."""
     return os.environ.get("JAX_SDPA_COMMAND_BUFFERS", "") == "1"
 
-# Test-only: when set, the handlers fill their outputs with NaN before cuDNN runs, so a test can
-# prove every element was written. Read at trace time.
-_poison_outputs = False
+
+GRAPH_CACHE_SIZE_VARIABLE = "JAX_SDPA_GRAPH_CACHE_SIZE"
+
+
+def _check_graph_cache_size() -> None:
+    text = os.environ.get(GRAPH_CACHE_SIZE_VARIABLE, "")
+    if text and not (text.isdigit() and int(text) >= 1):
+        raise ValueError(f"{GRAPH_CACHE_SIZE_VARIABLE} must be a whole number >= 1 (graphs the "
+                         f"cache keeps), got {text!r}")
 
 
 def _preload_cudnn() -> None:
@@ -52,6 +53,7 @@ def _preload_cudnn() -> None:
 @functools.lru_cache(maxsize=None)
 def _load():
     """(module, None) or (None, reason it could not be loaded)."""
+    _check_graph_cache_size()
     try:
         _preload_cudnn()
         from jax_sdpa import _sdpa_ffi  # noqa: PLC0415 - loaded lazily, after JAX's backend
@@ -75,6 +77,12 @@ def extension_load_error() -> str | None:
 CALL_STATE_TYPE = "jax_sdpa_call_state"
 
 
+def target_names() -> dict:
+    """Our FFI targets by role (forward, backward, and their command-buffer twins), as the
+    extension registers them."""
+    return dict(extension().target_names())
+
+
 @functools.lru_cache(maxsize=None)
 def _register_targets() -> None:
     # Each target has an instantiate stage creating a per-call state (ffi/call_state.h) that
@@ -95,9 +103,7 @@ def export_disabled_checks() -> list:
     jax.export.export(jax.jit(f), disabled_checks=jax_sdpa.export_disabled_checks())."""
     from jax import export  # noqa: PLC0415
 
-    return [export.DisabledSafetyCheck.custom_call(name + suffix)
-            for name in (FORWARD_TARGET, BACKWARD_TARGET)
-            for suffix in ("", COMMAND_BUFFER_SUFFIX)]
+    return [export.DisabledSafetyCheck.custom_call(name) for name in target_names().values()]
 
 
 def cudnn_version() -> int:
@@ -110,17 +116,6 @@ def graph_cache_stats() -> dict:
     hits (calls that found their graph, in their executable or the cache), evictions, retired
     (graphs let go whose queued GPU work may still be running)."""
     return dict(extension().graph_cache_stats())
-
-
-@contextlib.contextmanager
-def poison_outputs():
-    """Test helper: functions traced inside this block NaN-fill outputs before cuDNN writes."""
-    global _poison_outputs
-    previous, _poison_outputs = _poison_outputs, True
-    try:
-        yield
-    finally:
-        _poison_outputs = previous
 
 
 def _varying_like(results, operands):
@@ -153,76 +148,61 @@ def _varying_axes(x) -> set:
     return set(varying or ())
 
 
-def _attributes(options, *, has_bias: bool, has_lengths: bool,
-                dump_dropout_mask: bool = False) -> dict:
-    return dict(scale=np.float32(options.scale), window_left=np.int64(options.window_left),
-                window_right=np.int64(options.window_right),
-                bottom_right=bool(options.bottom_right), has_bias=has_bias,
-                has_lengths=has_lengths, bias_grad=bool(options.bias_grad),
-                deterministic=bool(options.deterministic),
-                dropout=np.float32(options.dropout), dump_dropout_mask=dump_dropout_mask,
-                poison_outputs=bool(_poison_outputs), command_buffer=command_buffers())
+def _target(role, config):
+    return target_names()[role + ("_command_buffer" if config.command_buffer else "")]
 
 
-def _target(name):
-    return name + COMMAND_BUFFER_SUFFIX if command_buffers() else name
-
-
-def _optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options):
-    operands = [] if bias is None else [bias]
-    if q_lengths is not None:
-        operands += [q_lengths, kv_lengths]
-    if options.dropout > 0:
-        if dropout_seed is None:
-            raise ValueError("dropout > 0 needs a dropout seed")
-        operands.append(dropout_seed)
+def _optional_operands(inputs, ragged_operands, config):
+    """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
+    when ragged), [offsets], [dropout_seed]."""
+    operands = [inputs["bias"]] if config.has_bias else []
+    if ragged_operands is not None:
+        operands += list(ragged_operands)
+    elif config.has_lengths:
+        operands += [inputs["q_lengths"], inputs["kv_lengths"]]
+    if config.has_seed:
+        operands.append(inputs["dropout_seed"])
     return operands
 
 
-def sdpa_forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, options, *,
-                 dump_dropout_mask=False):
-    """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., heads, q_seq]).
+def sdpa_forward(inputs, config, ragged_operands=None):
+    """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
+    [batch..., T, N] token-major when ragged).
 
-    bias: None or [1|B, 1|N, T, S] in the query's dtype; q_lengths/kv_lengths: None or int32
-    [B] (both or neither); dropout_seed: uint32 [4] when options.dropout > 0; options: a
-    CudnnOptions. dump_dropout_mask (tests): also return cuDNN's keep mask, float32
-    [batch..., N, T, S] of 0 and 1.
+    inputs: the config's inputs by name (kernel_config.INPUTS); query, key, value in the
+    [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
+    per document, offsets) from jax_sdpa.packing.ragged_operands.
     """
     _register_targets()
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
     *batch, q_seq_len, q_heads, _ = query.shape
-    kv_seq_len = key.shape[-3]
-    result_types = [
+    stats_shape = ((*batch, q_seq_len, q_heads) if ragged_operands is not None
+                   else (*batch, q_heads, q_seq_len))
+    result_types = (
         jax.ShapeDtypeStruct((*batch, q_seq_len, q_heads, value.shape[-1]), query.dtype),
-        jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len), jnp.float32),
-    ]
-    dump = bool(dump_dropout_mask and options.dropout > 0)
-    if dump:
-        result_types.append(
-            jax.ShapeDtypeStruct((*batch, q_heads, q_seq_len, kv_seq_len), jnp.float32))
+        jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+    )
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
-    call = jax.ffi.ffi_call(_target(FORWARD_TARGET), tuple(result_types),
+    call = jax.ffi.ffi_call(_target("forward", config), result_types,
                             vmap_method="broadcast_all")
-    operands = (query, key, value,
-                *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
-    results = _varying_like(call(*operands, **_attributes(
-        options, has_bias=bias is not None, has_lengths=q_lengths is not None,
-        dump_dropout_mask=dump)), operands)
-    return results if dump else results[:2]
+    operands = (query, key, value, *_optional_operands(inputs, ragged_operands, config))
+    attributes = config.ffi_attributes(ragged=ragged_operands is not None)
+    return _varying_like(call(*operands, **attributes), operands)
 
 
-def sdpa_backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats,
-                  d_output, options):
-    """cuDNN backward: (dq, dk, dv, dbias); dbias is None unless options.bias_grad."""
+def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None):
+    """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias."""
     _register_targets()
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
     result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value)]
-    with_dbias = bias is not None and options.bias_grad
+    with_dbias = config.has_bias and config.bias_grad
     if with_dbias:
-        result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    call = jax.ffi.ffi_call(_target(BACKWARD_TARGET), tuple(result_types),
+        result_types.append(jax.ShapeDtypeStruct(inputs["bias"].shape, inputs["bias"].dtype))
+    call = jax.ffi.ffi_call(_target("backward", config), tuple(result_types),
                             vmap_method="broadcast_all")
     operands = (query, key, value, output, stats, d_output.astype(output.dtype),
-                *_optional_operands(bias, q_lengths, kv_lengths, dropout_seed, options))
-    results = _varying_like(call(*operands, **_attributes(
-        options, has_bias=bias is not None, has_lengths=q_lengths is not None)), operands)
+                *_optional_operands(inputs, ragged_operands, config))
+    attributes = config.ffi_attributes(ragged=ragged_operands is not None)
+    results = _varying_like(call(*operands, **attributes), operands)
     return (*results[:3], results[3] if with_dbias else None)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_sdpa import cudnn_path, cudnn_support
-from jax_sdpa._warnings import warn_once
+from jax_sdpa import fused_path, planning
 from jax_sdpa.reference import attention_reference
 from jax_sdpa.validation import validate
 
@@ -14,7 +13,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
                           deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
-                          dropout_rng=None, query_segment_ids=None, kv_segment_ids=None):
+                          dropout_rng=None, query_segment_ids=None, kv_segment_ids=None,
+                          max_segments=None):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -44,7 +44,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         backward drops what the forward dropped). Not in jax.nn.
       query_segment_ids, kv_segment_ids: int32 ``[B, T]`` / ``[B, S]`` ids for packed sequences:
         a query attends only to keys with its id (kv_segment_ids defaults to the query's when
-        ``T == S``). Combines with every other mask. Not in jax.nn.
+        ``T == S``). Combines with every other mask; is_causal and the window stay measured in
+        row positions (for documents packed at the same positions among queries and keys,
+        that is causal within each document, from its first token). Not in jax.nn. On cuDNN
+        (Hopper or newer) each document runs as its own entry of cuDNN's ragged layout, at the
+        cost of its own tokens: no [T, S] array is formed. That needs each document to be one
+        contiguous run of tokens (any ids, any order, padding its own document), at most
+        max_segments per row, and with causal/window and separate kv_segment_ids, a document's
+        keys starting where its queries do; the call checks this on the device and computes
+        any other rows exactly, query block by query block (slower, still O(T) memory).
+      max_segments: the most documents per row the ragged layout takes (static; default 64).
+        Each slot costs a little even when empty; rows holding more take the exact fallback.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
@@ -55,26 +65,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                     local_window_size=local_window_size, implementation=implementation,
                     causal_alignment=causal_alignment, dropout_rate=dropout_rate,
                     dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
-                    kv_segment_ids=kv_segment_ids)
-    use_cudnn = False
-    if implementation != "xla":
-        reason = cudnn_support.unsupported_reason(call)
-        if reason is None:
-            use_cudnn = True
-        elif implementation == "cudnn":
-            raise NotImplementedError(f"implementation='cudnn' cannot run this call: {reason}")
-        else:
-            warn_once(f"jax_sdpa: using the XLA reference path because {reason}")
-    if use_cudnn:
-        band, _ = cudnn_path.diagonal_band(call)
-        output, lse = cudnn_path.run(call, deterministic=bool(deterministic), band=band)
+                    kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+    plan = planning.plan(call, implementation, deterministic=bool(deterministic))
+    if plan is not None:
+        output, lse = fused_path.run(call, plan)
     else:
         output, lse = attention_reference(
             call.query, call.key, call.value, call.bias, call.mask, scale=call.scale,
             is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
             key_value_seq_lengths=call.key_value_seq_lengths,
             local_window_size=call.local_window_size, diagonal_offset=call.diagonal_offset,
-            dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
+            dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
+            query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids)
     output = output.reshape(call.output_shape)
     if not return_residual:
         return output

@@ -24,14 +24,19 @@ def large_negative() -> float:
 
 def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                  diagonal_offset=0):
+                  diagonal_offset=0, query_segment_ids=None, kv_segment_ids=None):
     """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks.
 
     Query i sits on the diagonal at key i + diagonal_offset (0: top-left, S - T: bottom-right);
-    causal and the window are measured from there."""
+    causal and the window are measured from there. Segment ids ([B, T] / [B, S]; the keys'
+    default to the queries'): a query sees only keys with its id. This is the one place the
+    structured masks become a dense one."""
     parts = []
     if mask is not None:
         parts.append(mask)
+    if query_segment_ids is not None:
+        kv_ids = query_segment_ids if kv_segment_ids is None else kv_segment_ids
+        parts.append(query_segment_ids[:, None, :, None] == kv_ids[:, None, None, :])
     q_pos = jnp.arange(q_seq_len)[:, None] + diagonal_offset
     k_pos = jnp.arange(kv_seq_len)[None, :]
     if is_causal:
@@ -59,7 +64,8 @@ def dropout_keep_mask(rng, rate, shape):
 def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, diagonal_offset=0, dropout_rate=0.0,
-                        dropout_rng=None, dropout_keep=None):
+                        dropout_rng=None, dropout_keep=None, query_segment_ids=None,
+                        kv_segment_ids=None):
     """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
     Scores and softmax are float32 whatever the input dtype. Dropout (dropout_rate > 0) keeps
@@ -81,7 +87,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
-                         local_window_size=local_window_size, diagonal_offset=diagonal_offset)
+                         local_window_size=local_window_size, diagonal_offset=diagonal_offset,
+                         query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids)
     if keep is not None:
         logits = jnp.where(keep, logits, large_negative())
     lse = jax.nn.logsumexp(logits, axis=-1)

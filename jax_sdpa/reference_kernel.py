@@ -1,48 +1,112 @@
-"""The reference path behind the cuDNN kernels' calling convention (CudnnOptions' band, a bias
-that already holds the mask, stats as the forward's residual).
+"""The reference path behind the kernels' calling convention: a KernelConfig and its inputs by
+name (its band in cuDNN's terms, a bias that already holds the mask, stats as the forward's
+residual).
 
-It lets the sharding rules (jax_sdpa.partitioning) run, and be tested, on any backend: CI checks
-on 8 CPU devices that a sharded call compiles to per-device kernels with no collectives, with
-exactly the code path the GPU runs, only the kernel swapped."""
+It serves three purposes: the "xla" implementation of the kernel layer, so the sharding rules
+(jax_sdpa/sharding_rules.py) run and are tested on any backend (CI checks on 8 CPU devices that a
+sharded call compiles to per-device kernels with no collectives, with exactly the code path the
+GPU runs, only the kernel swapped); the backward of a cuDNN forward whose backward cuDNN cannot
+run; and, query block by query block, the exact fallback of packed segment ids that the ragged
+layout cannot express (memory O(block x S), never [T, S]).
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jax_sdpa.reference import attention_reference
 
 _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
+# Query rows per block of the blockwise form: its float32 scores take block x S x heads x batch
+# x 4 bytes; about this many elements at most.
+_BLOCK_ELEMENTS = 1 << 24
 
 
-def _window(options):
-    if options.window_left < 0 and options.window_right < 0:
+def _window(config):
+    if config.window_left < 0 and config.window_right < 0:
         return None
     # cuDNN's left bound is exclusive (keys j > i - left); the reference's is inclusive.
-    left = options.window_left - 1 if options.window_left >= 0 else _UNBOUNDED
-    right = options.window_right if options.window_right >= 0 else _UNBOUNDED
+    left = config.window_left - 1 if config.window_left >= 0 else _UNBOUNDED
+    right = config.window_right if config.window_right >= 0 else _UNBOUNDED
     return left, right
 
 
-def forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, options):
-    """(output [B, T, N, Hv], stats float32 [B, N, T]), as _ffi.sdpa_forward."""
-    offset = key.shape[1] - query.shape[1] if options.bottom_right else 0
-    rng = None
-    if dropout_seed is not None:  # seed words, then the offset's low word (a shard's index)
-        rng = jax.random.fold_in(jax.random.wrap_key_data(dropout_seed[:2]), dropout_seed[2])
-    return attention_reference(query, key, value, bias, None, scale=options.scale,
-                               query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-                               local_window_size=_window(options), diagonal_offset=offset,
-                               dropout_rate=options.dropout, dropout_rng=rng)
+def _dropout_rng(inputs):
+    seed = inputs.get("dropout_seed")
+    if seed is None:
+        return None
+    # The seed's words, then the offset's low word (a shard's index): one key per shard.
+    return jax.random.fold_in(jax.random.wrap_key_data(seed[:2]), seed[2])
 
 
-def backward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed, output, stats,
-             d_output, options):
-    """(dq, dk, dv, dbias or None), as _ffi.sdpa_backward; recomputes the forward."""
+def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths=None,
+            rng=None):
+    """attention_reference on `query` (rows first_row.. of the call's queries)."""
+    key, value = inputs["key"], inputs["value"]
+    offset = key.shape[1] - inputs["query"].shape[1] if config.bottom_right else 0
+    # The keys' ids: their own, or (self-attention packing) all of the queries'.
+    kv_segment_ids = inputs.get("kv_segment_ids", inputs.get("q_segment_ids"))
+    return attention_reference(
+        query, key, value, inputs.get("bias"), None, scale=config.scale,
+        query_seq_lengths=q_lengths, key_value_seq_lengths=inputs.get("kv_lengths"),
+        local_window_size=_window(config), diagonal_offset=offset + first_row,
+        dropout_rate=config.dropout, dropout_rng=rng, query_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids)
+
+
+def forward(config, inputs):
+    """(output [B, T, N, Hv], stats float32 [B, N, T]), as the cuDNN kernel's forward."""
+    return _attend(config, inputs, inputs["query"], q_segment_ids=inputs.get("q_segment_ids"),
+                   q_lengths=inputs.get("q_lengths"), rng=_dropout_rng(inputs))
+
+
+def blockwise_forward(config, inputs, block=None):
+    """forward, one block of query rows at a time (lax.map; each block rematerialised in the
+    backward): the same function with memory O(block x S). Dropout draws per block. Takes no
+    bias (a bias is [T, S] already: the dense forward serves it)."""
+    if inputs.get("bias") is not None:
+        raise ValueError("blockwise_forward takes no bias")
+    query = inputs["query"]
+    batch, q_seq_len, q_heads, _ = query.shape
+    kv_seq_len = inputs["key"].shape[1]
+    if block is None:
+        block = max(1, min(q_seq_len, _BLOCK_ELEMENTS // max(1, batch * q_heads * kv_seq_len)))
+    blocks = -(-q_seq_len // block)
+    padded = blocks * block - q_seq_len
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    q_ids = inputs.get("q_segment_ids")
+    q_lengths = inputs.get("q_lengths")
+    if q_lengths is None:
+        q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
+    rng = _dropout_rng(inputs)
+    split = lambda x: jnp.moveaxis(x.reshape(batch, blocks, block, *x.shape[2:]), 1, 0)  # noqa
+
+    @jax.checkpoint
+    def one_block(args):
+        q_block, ids_block, index = args
+        first = index * block
+        block_rng = None if rng is None else jax.random.fold_in(rng, index)
+        return _attend(config, inputs, q_block, first_row=first,
+                       q_segment_ids=ids_block,
+                       q_lengths=jnp.clip(q_lengths - first, 0, block), rng=block_rng)
+    ids_blocks = None if q_ids is None else split(pad(q_ids))
+    out, lse = jax.lax.map(one_block, (split(pad(query)), ids_blocks, jnp.arange(blocks)))
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, blocks * block, *out.shape[3:])
+    lse = jnp.moveaxis(lse, 0, 2).reshape(batch, q_heads, blocks * block)
+    return out[:, :q_seq_len], lse[..., :q_seq_len]
+
+
+def backward(config, inputs, output, stats, d_output, forward_fn=forward):
+    """(dq, dk, dv, dbias or None), as the cuDNN kernel's backward: recomputes the forward."""
     del output, stats
+    differentiable = {name: inputs[name] for name in ("query", "key", "value")}
+    if inputs.get("bias") is not None:
+        differentiable["bias"] = inputs["bias"]
 
-    def primal(query, key, value, bias):
-        return forward(query, key, value, bias, q_lengths, kv_lengths, dropout_seed,
-                       options)[0]
-    _, vjp = jax.vjp(primal, query, key, value, bias)
-    dq, dk, dv, dbias = vjp(d_output.astype(query.dtype))
-    return dq, dk, dv, dbias if (bias is not None and options.bias_grad) else None
+    def primal(arrays):
+        return forward_fn(config, {**inputs, **arrays})[0]
+    _, vjp = jax.vjp(primal, differentiable)
+    (grads,) = vjp(d_output.astype(inputs["query"].dtype))
+    dbias = grads.get("bias") if config.bias_grad else None
+    return grads["query"], grads["key"], grads["value"], dbias

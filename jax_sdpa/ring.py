@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import cudnn_support, partitioning
-from jax_sdpa.cudnn_path import CudnnOptions
+from jax_sdpa import _ffi, kernels, planning
+from jax_sdpa.kernel_config import KernelConfig
 
 _FULL, _DIAGONAL, _SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
 LAYOUTS = ("contiguous", "zigzag")
@@ -51,20 +51,22 @@ def _split(x, parts):
     return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
+def _block_config(kernel, scale, kind):
+    return KernelConfig(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
+                        implementation=kernel, command_buffer=_ffi.command_buffers())
+
+
 def _block_forward(kernel, scale, kind, q, k, v):
     """(output float32 [B,t,N,H], lse float32 [B,N,t]) of one chunk pair; a skipped pair has
     lse -inf and output 0 (shaped from the inputs so they vary over the mesh as they do)."""
-    forward = partitioning.KERNELS[kernel][0]
     if kind == _SKIP:
         out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros_like(v[:, :1, :1, :],
                                                                       jnp.float32)
         lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1)
         return out, lse
-    options = CudnnOptions(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
-                           kernel=kernel)
-    if kernel == "reference":  # float32 blocks
+    if kernel == "xla":  # float32 blocks
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = forward(q, k, v, None, None, None, None, options)
+    out, lse = kernels.forward(_block_config(kernel, scale, kind), dict(query=q, key=k, value=v))
     return out.astype(jnp.float32), lse
 
 
@@ -95,13 +97,11 @@ def _block_backward(kernel, scale, kind, q, k, v, out, lse, d_out):
     if kind == _SKIP:
         return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
                 jnp.zeros_like(v, jnp.float32))
-    if kernel == "reference":
+    if kernel == "xla":
         return _reference_block_backward(scale, kind, q, k, v, out, lse, d_out)
-    backward = partitioning.KERNELS[kernel][1]
-    options = CudnnOptions(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
-                           kernel=kernel)
-    dq, dk, dv, _ = backward(q, k, v, None, None, None, None, out.astype(q.dtype), lse,
-                             d_out.astype(q.dtype), options)
+    dq, dk, dv, _ = kernels.backward(_block_config(kernel, scale, kind),
+                                     dict(query=q, key=k, value=v), out.astype(q.dtype), lse,
+                                     d_out.astype(q.dtype))
     return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
 
 
@@ -208,22 +208,18 @@ def _mesh_platform(x):
     return getattr(device, "platform", None)
 
 
-def _kernel(query, value, implementation):
-    """"cudnn" where the block attention can run there, else the reference path."""
-    if implementation == "xla":
-        return "reference"
-    reason = cudnn_support.device_reason()
+def _kernel(query, key, value, implementation, parts):
+    """"cudnn" where the block attention (forward and backward) can run there, else "xla":
+    decided, warned about or refused as dot_product_attention decides (jax_sdpa/planning.py)."""
+    reason = planning.device_reason()
     platform = _mesh_platform(query)
     if reason is None and platform not in (None, "gpu", "cuda"):
         reason = f"the ring's mesh is on {platform} devices"
-    if reason is None:
-        reason = cudnn_support.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
-                                                           ("value head_dim", value.shape[-1])))
-    if reason is None:
-        return "cudnn"
-    if implementation == "cudnn":
-        raise NotImplementedError(f"implementation='cudnn' cannot run this ring: {reason}")
-    return "reference"
+    reason = reason or planning.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
+                                                            ("value head_dim", value.shape[-1])))
+    reason = reason or planning.backward_reason(query.shape[1] // parts, key.shape[1] // parts,
+                                                query.shape[-1], value.shape[-1])
+    return "cudnn" if planning.use_cudnn(reason, implementation, "this ring attention") else "xla"
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
@@ -233,7 +229,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     query [B, T/P, N, H] and key/value [B, S/P, K, H] are this device's blocks (T = S when
     causal). layout="contiguous": device d holds block d; "zigzag": device d holds chunks d and
     2P-1-d of 2P (causal load balance; see zigzag_permute). implementation: None (cuDNN block
-    kernels where they can run, else the reference path), "cudnn" or "xla". Returns the local
+    kernels where they can run, else the reference path with a one-time warning naming why),
+    "cudnn" (or NotImplementedError naming why) or "xla". Returns the local
     output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the global
     softmax rows).
     """
@@ -252,7 +249,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    kernel = _kernel(query, value, implementation)
+    kernel = _kernel(query, key, value, implementation, len(_chunks(layout, 0, 1)))
     out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout, kernel)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)

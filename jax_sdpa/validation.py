@@ -35,6 +35,16 @@ class AttentionCall:
     diagonal_offset: int = 0
     dropout_rate: float = 0.0
     dropout_rng: jnp.ndarray | None = None  # a single PRNG key when dropout_rate > 0
+    # Packed sequences, kept as ids (never a dense mask here): int32 [B, T] and [B, S]; the
+    # keys' ids are None when they are the queries' own. max_segments bounds the documents per
+    # row that cuDNN's ragged layout runs (rows with more take an exact fallback).
+    query_segment_ids: jnp.ndarray | None = None
+    kv_segment_ids: jnp.ndarray | None = None
+    max_segments: int = 0
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
 
 
 def _as_array(value, name):
@@ -104,21 +114,35 @@ def _window(local_window_size):
     return window
 
 
-def _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len):
-    """[B, 1, T, S] boolean: a query attends only to keys of its own segment (document)."""
+DEFAULT_MAX_SEGMENTS = 64
+
+
+def _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len):
+    """(query ids int32 [B, T], key ids int32 [B, S] or None when they are the queries')."""
     if query_segment_ids is None and kv_segment_ids is None:
-        return None
+        return None, None
     if query_segment_ids is None:
         raise ValueError("kv_segment_ids needs query_segment_ids")
-    if kv_segment_ids is None:
-        if q_seq_len != kv_seq_len:
-            raise ValueError("kv_segment_ids is required when the query and key/value sequence "
-                             f"lengths differ ({q_seq_len} vs {kv_seq_len})")
-        kv_segment_ids = query_segment_ids
+    if kv_segment_ids is None and q_seq_len != kv_seq_len:
+        raise ValueError("kv_segment_ids is required when the query and key/value sequence "
+                         f"lengths differ ({q_seq_len} vs {kv_seq_len})")
     q_ids = _int32_array(query_segment_ids, "query_segment_ids", (batch, q_seq_len),
                          "[batch, seq]")
+    if kv_segment_ids is None or kv_segment_ids is query_segment_ids:
+        return q_ids, None
     kv_ids = _int32_array(kv_segment_ids, "kv_segment_ids", (batch, kv_seq_len), "[batch, seq]")
-    return (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    return q_ids, kv_ids
+
+
+def _max_segments(max_segments):
+    if max_segments is None:
+        return DEFAULT_MAX_SEGMENTS
+    if isinstance(max_segments, bool) or not isinstance(max_segments, numbers.Integral):
+        raise TypeError(f"max_segments must be a Python int or None, got "
+                        f"{type(max_segments).__name__}")
+    if max_segments < 1:
+        raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+    return int(max_segments)
 
 
 def _dropout(dropout_rate, dropout_rng):
@@ -144,7 +168,7 @@ def _dropout(dropout_rate, dropout_rng):
 def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
              dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
-             kv_segment_ids=None) -> AttentionCall:
+             kv_segment_ids=None, max_segments=None) -> AttentionCall:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
@@ -198,9 +222,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
         mask = _broadcastable_4d(mask, target, "mask")
-    segments = _segment_mask(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len)
-    if segments is not None:
-        mask = segments if mask is None else jnp.logical_and(mask, segments)
+    q_ids, kv_ids = _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len,
+                                 kv_seq_len)
     rate, rng = _dropout(dropout_rate, dropout_rng)
     return AttentionCall(
         query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
@@ -210,5 +233,6 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         local_window_size=_window(local_window_size),
         output_shape=output_shape,
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
-        dropout_rate=rate, dropout_rng=rng,
+        dropout_rate=rate, dropout_rng=rng, query_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        max_segments=_max_segments(max_segments),
     )

@@ -12,11 +12,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_sdpa import cudnn_support  # noqa: E402
+from jax_sdpa import planning  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = cudnn_support.device_reason()
+    reason = planning.device_reason()
     if reason is None:
         return
     skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU with cuDNN: {reason}")
@@ -69,3 +69,18 @@ def assert_same_function(fn_a, fn_b, args, d_out, tol=1e-5):
     assert out_a.shape == out_b.shape and out_a.dtype == out_b.dtype
     for a, b in pairs:
         assert relative_error(a, b) < tol
+
+
+def kernel_attention(query, key, value, config, **optional):
+    """The kernels' custom_vjp called directly (below dot_product_attention's checks):
+    (output, lse [B, N, T]). optional: the config's other inputs by name."""
+    from jax_sdpa import kernel_vjp  # noqa: PLC0415
+
+    return kernel_vjp.attention(config, dict(query=query, key=key, value=value, **optional))
+
+
+def target(role):
+    """Our FFI target's name for a role: forward, backward, forward_command_buffer, ..."""
+    from jax_sdpa import _ffi  # noqa: PLC0415
+
+    return _ffi.target_names()[role]

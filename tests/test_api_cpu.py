@@ -100,7 +100,7 @@ def test_low_precision_reference_is_close_to_float32():
 
 
 def test_cudnn_without_gpu_is_a_clear_error():
-    if jax_sdpa.cudnn_support.device_reason() is None:
+    if jax_sdpa.planning.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(6, 1, 8, 8, 2, 2, 64, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="implementation='cudnn'.*NVIDIA GPU"):
@@ -108,7 +108,7 @@ def test_cudnn_without_gpu_is_a_clear_error():
 
 
 def test_default_falls_back_with_one_warning():
-    if jax_sdpa.cudnn_support.device_reason() is None:
+    if jax_sdpa.planning.device_reason() is None:
         pytest.skip("a GPU is present")
     jax_sdpa._warnings.reset()
     q, k, v, _ = random_qkv(7, 1, 8, 8, 2, 2, 16, jnp.float32)

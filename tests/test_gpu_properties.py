@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import cudnn_support
+from jax_sdpa import planning
 from jax_sdpa.validation import validate
 from conftest import assert_close_to_reference
 
@@ -77,7 +77,7 @@ def cudnn_problem(case):
                         **{"is_causal": False, "query_seq_lengths": None,
                            "key_value_seq_lengths": None, "local_window_size": None,
                            **call_kwargs})
-        if cudnn_support.call_reason(call) is None:
+        if planning.call_reason(call) is None:
             return arrays, kwargs
 
 

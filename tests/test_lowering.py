@@ -9,15 +9,42 @@ import pytest
 
 from jax_sdpa import _ffi
 import jax_sdpa
-from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
+from jax_sdpa.kernel_config import KernelConfig
+from conftest import kernel_attention, target
+
+FORWARD, BACKWARD = target("forward"), target("backward")
 
 
 def test_extension_loads_and_reports_cudnn():
     module = _ffi.extension()
-    plain = {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
-    assert set(module.registrations()) == plain | {
-        name + _ffi.COMMAND_BUFFER_SUFFIX for name in plain}
+    assert set(module.registrations()) == set(_ffi.target_names().values())
+    assert set(_ffi.target_names()) == {"forward", "backward", "forward_command_buffer",
+                                        "backward_command_buffer"}
     assert module.cudnn_header_version() >= 90000
+
+
+def backend_config(text, target_name):
+    """The attribute names of the first custom call to target_name in lowered StableHLO."""
+    line = next(line for line in text.splitlines() if f"@{target_name}(" in line)
+    config = line[line.index("mhlo.backend_config = {") + len("mhlo.backend_config = {"):]
+    return set(re.findall(r"(\w+) = ", config.split("}")[0]))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
+    """Every attribute Python sends is one the C++ handlers decode, and none is missing: the
+    names come from the handlers' own declaration (ffi/sdpa_handlers.cc)."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    ids = jnp.zeros((2, 64), jnp.int32) if packed else None
+    grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, query_segment_ids=ids,
+        implementation="cudnn").astype(jnp.float32).sum())
+    text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    expected = set(_ffi.extension().attribute_names())
+    for name in (FORWARD, BACKWARD):
+        assert backend_config(text, name) == expected
+    assert ("ragged = true" in text) == packed
 
 
 def custom_calls(fn, *args):
@@ -27,8 +54,7 @@ def custom_calls(fn, *args):
 
 
 def loss(q, k, v):
-    output, _ = cudnn_attention(q, k, v, None, None, None, None,
-                                  CudnnOptions(0.125, window_right=0))
+    output, _ = kernel_attention(q, k, v, KernelConfig(0.125, window_right=0))
     return output.astype(jnp.float32).sum()
 
 
@@ -43,8 +69,8 @@ def test_lowers_to_our_targets(transform):
         "vmap_grad": (jax.vmap(grad), (q[None], kv[None], kv[None])),
         "checkpoint_grad": (jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)), (q, kv, kv)),
     }[transform]
-    expected = {_ffi.FORWARD_TARGET} if transform == "plain" else {
-        _ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    expected = {FORWARD} if transform == "plain" else {
+        FORWARD, BACKWARD}
     assert expected <= custom_calls(fn, *args)
 
 
@@ -52,7 +78,7 @@ def test_lowers_to_our_targets(transform):
                                     "bottom_right", "segments", "everything"])
 def test_options_lower_to_our_targets(option, monkeypatch):
     """Every option reaches our custom calls; dbias only where the user's bias needs it."""
-    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     b, t, s, n, h = 2, 48, 64, 4, 64
     q = jnp.zeros((b, t, n, h), jnp.float16)
     kv = jnp.zeros((b, s, 2, h), jnp.float16)
@@ -82,18 +108,18 @@ def test_options_lower_to_our_targets(option, monkeypatch):
     text = jax.jit(jax.grad(grad_loss, argnums=argnums)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
-    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
-    backward = [line for line in text.splitlines() if _ffi.BACKWARD_TARGET in line][0]
+    assert FORWARD in text and BACKWARD in text
+    backward = [line for line in text.splitlines() if BACKWARD in line][0]
     assert ("bias_grad = true" in backward) == ("bias" in kwargs)
     # The forward and the backward get the same dropout probability (and seed operand).
     dropout = "dropout = 2.500000e-01" if "dropout_rate" in kwargs else "dropout = 0.0"
     assert dropout in backward
-    forward = [line for line in text.splitlines() if _ffi.FORWARD_TARGET in line][0]
+    forward = [line for line in text.splitlines() if FORWARD in line][0]
     assert dropout in forward
 
 
 def test_value_head_dim_lowers_with_its_own_output_shape(monkeypatch):
-    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     q = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
     k = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
     v = jnp.zeros((2, 64, 4, 128), jnp.bfloat16)
@@ -101,13 +127,13 @@ def test_value_head_dim_lowers_with_its_own_output_shape(monkeypatch):
     out = jax.eval_shape(fn, q, k, v)
     assert out.shape == (2, 64, 4, 128)
     grads = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grads, q, k, v)
+    assert {FORWARD, BACKWARD} <= custom_calls(grads, q, k, v)
 
 
 def test_export_with_the_declared_custom_calls(monkeypatch):
     """jax.export for CUDA of a training step's attention: our targets are the only custom
     calls, declared through jax_sdpa.export_disabled_checks(); it serializes and reads back."""
-    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
 
     def step(q, k, v):
@@ -120,7 +146,7 @@ def test_export_with_the_declared_custom_calls(monkeypatch):
     restored = jax.export.deserialize(exported.serialize())
     assert restored.platforms == ("cuda",)
     text = restored.mlir_module()
-    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    assert FORWARD in text and BACKWARD in text
     assert "cudnn$fmha" not in text
 
 
@@ -132,7 +158,7 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     import numpy as np  # noqa: PLC0415
     from jax_sdpa import ring as ring_module  # noqa: PLC0415
     from jax_sdpa.ring import ring_attention  # noqa: PLC0415
-    monkeypatch.setattr(jax_sdpa.cudnn_support, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     monkeypatch.setattr(ring_module, "_mesh_platform", lambda x: "gpu")  # host devices here
     mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
     ring = jax.shard_map(lambda q, k, v: ring_attention(
@@ -140,17 +166,21 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
         mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
     x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grad, x, x, x)
+    assert {FORWARD, BACKWARD} <= custom_calls(grad, x, x, x)
 
 
 def test_command_buffer_targets_are_opt_in(monkeypatch):
-    """JAX_SDPA_COMMAND_BUFFERS=1 (read at trace time) lowers to the command-buffer compatible
-    twins of our targets, with the command_buffer attribute set; the default does not."""
+    """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers to the command-buffer
+    compatible twins of our targets, with the command_buffer attribute set; the default does
+    not."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-    grad = jax.grad(loss, argnums=(0, 1, 2))
-    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= custom_calls(grad, q, q, q)
+
+    def grad():  # a new function each time: jit caches traces by function
+        return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum(),
+            argnums=(0, 1, 2))
+    assert {FORWARD, BACKWARD} <= custom_calls(grad(), q, q, q)
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
-    suffix = _ffi.COMMAND_BUFFER_SUFFIX
-    fresh = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2))  # a new trace: jit caches by fn
-    assert {_ffi.FORWARD_TARGET + suffix, _ffi.BACKWARD_TARGET + suffix} <= custom_calls(
-        fresh, q, q, q)
+    buffered = {target("forward_command_buffer"), target("backward_command_buffer")}
+    assert buffered <= custom_calls(grad(), q, q, q)

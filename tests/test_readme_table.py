@@ -6,7 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import cudnn_support
+from jax_sdpa import planning
 from jax_sdpa.validation import validate
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -81,5 +81,5 @@ def test_table_matches_the_code():
     for feature, claim in rows.items():
         expected = re.match(r"(yes|no)\b", claim).group(1) == "yes"
         for example in EXAMPLES[feature]:
-            reason = cudnn_support.call_reason(example)
+            reason = planning.call_reason(example)
             assert (reason is None) == expected, f"{feature}: README says {claim!r}, code: {reason}"

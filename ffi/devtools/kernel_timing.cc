@@ -8,12 +8,17 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
+#include <unordered_map>
 
 #include "device_memory.h"
+#include "sdpa_graph_description.h"
 #include "sdpa_graphs.h"
 
 namespace jax_sdpa {
 namespace {
+
+namespace fe = cudnn_frontend;
 
 // What a timing run owns: its device, stream, cuDNN handle and buffers, released in reverse.
 class Session {
@@ -83,11 +88,22 @@ std::vector<uint16_t> RandomPattern(ElementType type) {
   return pattern;
 }
 
-// One input set's buffers for both directions.
+// One input set: device pointers by tensor uid, for the forward and the backward.
 struct InputSet {
-  ForwardBuffers forward;
-  BackwardBuffers backward;
+  std::unordered_map<int64_t, void*> forward, backward;
 };
+
+void AssignSet(void* q, void* k, void* v, void* o, void* stats, InputSet* set) {
+  set->forward = {{kQ, q}, {kK, k}, {kV, v}, {kO, o}, {kStats, stats}};
+  set->backward = set->forward;
+}
+
+void AssignBackward(void* d_o, void* dq, void* dk, void* dv, InputSet* set) {
+  set->backward[kDO] = d_o;
+  set->backward[kDQ] = dq;
+  set->backward[kDK] = dk;
+  set->backward[kDV] = dv;
+}
 
 // The set's buffers as given: q, k, v, o, stats[, d_o, dq, dk, dv].
 ffi::Error GivenSet(const SdpaConfig& c, const BufferSet& given, InputSet* set) {
@@ -97,19 +113,8 @@ ffi::Error GivenSet(const SdpaConfig& c, const BufferSet& given, InputSet* set) 
                                        std::to_string(expected) + " buffers, got " +
                                        std::to_string(given.size()));
   }
-  set->forward.in.q = set->backward.in.q = given[0];
-  set->forward.in.k = set->backward.in.k = given[1];
-  set->forward.in.v = set->backward.in.v = given[2];
-  set->forward.o = given[3];
-  set->forward.stats = given[4];
-  set->backward.o = given[3];
-  set->backward.stats = given[4];
-  if (expected == 9) {
-    set->backward.d_o = given[5];
-    set->backward.dq = given[6];
-    set->backward.dk = given[7];
-    set->backward.dv = given[8];
-  }
+  AssignSet(given[0], given[1], given[2], given[3], given[4], set);
+  if (expected == 9) AssignBackward(given[5], given[6], given[7], given[8], set);
   return ffi::Error::Success();
 }
 
@@ -127,41 +132,57 @@ ffi::Error AllocateSet(Session& session, const SdpaConfig& c, const std::vector<
   JAX_SDPA_RETURN_IF_ERROR(session.Allocate(v_bytes, random, &v));
   JAX_SDPA_RETURN_IF_ERROR(session.Allocate(o_bytes, {}, &o));
   JAX_SDPA_RETURN_IF_ERROR(session.Allocate(stats_bytes, {}, &stats));
-  set->forward.in.q = set->backward.in.q = q;
-  set->forward.in.k = set->backward.in.k = k;
-  set->forward.in.v = set->backward.in.v = v;
-  set->forward.o = o;
-  set->forward.stats = stats;
-  set->backward.o = o;
-  set->backward.stats = stats;
+  AssignSet(q, k, v, o, stats, set);
   if (c.direction == Direction::kBackward) {
     void *d_o, *dq, *dk, *dv;
     JAX_SDPA_RETURN_IF_ERROR(session.Allocate(o_bytes, random, &d_o));
     JAX_SDPA_RETURN_IF_ERROR(session.Allocate(q_bytes, {}, &dq));
     JAX_SDPA_RETURN_IF_ERROR(session.Allocate(k_bytes, {}, &dk));
     JAX_SDPA_RETURN_IF_ERROR(session.Allocate(v_bytes, {}, &dv));
-    set->backward.d_o = d_o;
-    set->backward.dq = dq;
-    set->backward.dk = dk;
-    set->backward.dv = dv;
+    AssignBackward(d_o, dq, dk, dv, set);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error ExecuteOnce(SdpaGraph& graph, Session& session, const InputSet& set, void* workspace,
-                       int64_t plan) {
-  if (graph.config().direction == Direction::kForward) {
-    return graph.ExecuteForward(session.handle(), set.forward, workspace, plan);
-  }
-  return graph.ExecuteBackward(session.handle(), set.backward, workspace, plan);
+ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig& c) {
+  return ffi::Error::Internal(std::string("cuDNN frontend ") + step + " failed for " +
+                              c.ToString() + ": " + status.get_message());
+}
+
+// The config's graph with every plan cuDNN's heuristics offer (modes A, B and fallback) built
+// where cuDNN can, in the heuristics' order of preference.
+ffi::ErrorOr<std::shared_ptr<fe::graph::Graph>> BuildAllPlans(const SdpaConfig& c,
+                                                              cudnnHandle_t handle) {
+  auto graph = DescribeSdpaGraph(c);
+  fe::error_t status = graph->validate();
+  if (status.is_bad()) return Failure{FrontendError(status, "validate", c)};
+  status = graph->build_operation_graph(handle);
+  if (status.is_bad()) return Failure{FrontendError(status, "build_operation_graph", c)};
+  status = graph->create_execution_plans(
+      {fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK});
+  if (status.is_bad()) return Failure{FrontendError(status, "create_execution_plans", c)};
+  status = graph->check_support(handle);
+  if (status.is_bad()) return Failure{FrontendError(status, "check_support", c)};
+  status = graph->build_plans(handle, fe::BuildPlanPolicy_t::ALL);
+  if (status.is_bad()) return Failure{FrontendError(status, "build_plans", c)};
+  return graph;
+}
+
+ffi::Error ExecutePlan(fe::graph::Graph& graph, const SdpaConfig& c, Session& session,
+                       InputSet& set, void* workspace, int64_t plan) {
+  auto& pack = c.direction == Direction::kForward ? set.forward : set.backward;
+  fe::error_t status = graph.execute_plan_at_index(session.handle(), pack, workspace, plan);
+  if (status.is_bad()) return FrontendError(status, "execute_plan_at_index", c);
+  return ffi::Error::Success();
 }
 
 // Times one plan: two warm-up executions, then `iterations` between two events.
-ffi::Error TimePlan(SdpaGraph& graph, Session& session, const std::vector<InputSet>& sets,
-                    void* workspace, int64_t iterations, PlanTiming* timing) {
+ffi::Error TimePlan(fe::graph::Graph& graph, const SdpaConfig& c, Session& session,
+                    std::vector<InputSet>& sets, void* workspace, int64_t iterations,
+                    PlanTiming* timing) {
   for (int64_t i = 0; i < 2; ++i) {
-    JAX_SDPA_RETURN_IF_ERROR(ExecuteOnce(graph, session, sets[i % sets.size()], workspace,
-                                         timing->plan));
+    JAX_SDPA_RETURN_IF_ERROR(
+        ExecutePlan(graph, c, session, sets[i % sets.size()], workspace, timing->plan));
   }
   cudaEvent_t start, stop;
   JAX_SDPA_CUDA_CHECK(cudaEventCreate(&start));
@@ -170,7 +191,7 @@ ffi::Error TimePlan(SdpaGraph& graph, Session& session, const std::vector<InputS
   auto host_start = std::chrono::steady_clock::now();
   cudaEventRecord(start, session.stream());
   for (int64_t i = 0; i < iterations && status.success(); ++i) {
-    status = ExecuteOnce(graph, session, sets[i % sets.size()], workspace, timing->plan);
+    status = ExecutePlan(graph, c, session, sets[i % sets.size()], workspace, timing->plan);
   }
   auto host_stop = std::chrono::steady_clock::now();
   cudaEventRecord(stop, session.stream());
@@ -191,7 +212,7 @@ ffi::Error TimePlan(SdpaGraph& graph, Session& session, const std::vector<InputS
 
 ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
                      const std::vector<BufferSet>& given, std::vector<PlanTiming>* timings) {
-  if (config.bias_batch > 0 || config.padding || config.dropout > 0 || iterations < 1 ||
+  if (config.bias_batch > 0 || config.padding || config.ragged || config.dropout > 0 || iterations < 1 ||
       input_sets < 1) {
     return ffi::Error::InvalidArgument(
         "jax_sdpa: plan timing takes no bias, lengths or dropout, and at least one iteration "
@@ -214,26 +235,36 @@ ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input
     SdpaConfig forward_config = config;
     forward_config.direction = Direction::kForward;
     forward_config.deterministic = false;
-    std::shared_ptr<SdpaGraph> forward;
-    JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::Build(forward_config, session.handle(), &forward));
+    JAX_SDPA_ASSIGN_OR_RETURN(std::shared_ptr<SdpaGraph> forward,
+                              SdpaGraph::Build(forward_config, session.handle()));
     void* workspace = nullptr;
     JAX_SDPA_RETURN_IF_ERROR(session.Allocate(forward->workspace_size(), {}, &workspace));
     for (const InputSet& set : sets) {
-      JAX_SDPA_RETURN_IF_ERROR(ExecuteOnce(*forward, session, set, workspace,
-                                           SdpaGraph::kPreferredPlan));
+      ForwardBuffers buffers;
+      buffers.in.q = set.forward.at(kQ);
+      buffers.in.k = set.forward.at(kK);
+      buffers.in.v = set.forward.at(kV);
+      buffers.o = set.forward.at(kO);
+      buffers.stats = set.forward.at(kStats);
+      JAX_SDPA_RETURN_IF_ERROR(forward->ExecuteForward(session.handle(), buffers, workspace));
     }
   }
 
-  std::shared_ptr<SdpaGraph> graph;
-  JAX_SDPA_RETURN_IF_ERROR(SdpaGraph::BuildAllPlans(config, session.handle(), &graph));
+  JAX_SDPA_ASSIGN_OR_RETURN(std::shared_ptr<fe::graph::Graph> graph,
+                            BuildAllPlans(config, session.handle()));
   timings->clear();
-  for (int64_t plan = 0; plan < graph->plan_count(); ++plan) {
+  for (int64_t plan = 0; plan < graph->get_execution_plan_count(); ++plan) {
     PlanTiming timing;
     timing.plan = plan;
-    ffi::Error status = graph->PlanInfo(plan, &timing.name, &timing.workspace_size);
     void* workspace = nullptr;
+    ffi::Error status = ffi::Error::Success();
+    fe::error_t info = graph->get_workspace_size_plan_at_index(plan, timing.workspace_size);
+    if (info.is_good()) info = graph->get_plan_name_at_index(plan, timing.name);
+    if (info.is_bad()) status = FrontendError(info, "plan info", config);
     if (status.success()) status = session.Allocate(timing.workspace_size, {}, &workspace);
-    if (status.success()) status = TimePlan(*graph, session, sets, workspace, iterations, &timing);
+    if (status.success()) {
+      status = TimePlan(*graph, config, session, sets, workspace, iterations, &timing);
+    }
     if (status.failure()) timing.error = status.message();
     timings->push_back(timing);
   }

@@ -1,0 +1,82 @@
+// The developer tools' Python module (jax_sdpa._sdpa_devtools), kept out of the product
+// extension: benchmarks/plans.py times every cuDNN plan of one SDPA graph alone through it.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernel_timing.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// benchmarks/plans.py's entry: every plan of one unmasked or causal SDPA graph, timed alone.
+nb::list TimePlans(const std::string& direction, const std::string& dtype, int64_t batch,
+                   int64_t q_seq_len, int64_t kv_seq_len, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, int64_t head_dim_v, bool causal, float scale,
+                   int64_t iterations, int64_t input_sets,
+                   const std::vector<std::vector<uintptr_t>>& buffers, int32_t device) {
+  jax_sdpa::SdpaConfig c;
+  if ((direction != "forward" && direction != "backward") ||
+      (dtype != "float16" && dtype != "bfloat16")) {
+    throw std::invalid_argument("direction must be forward|backward and dtype "
+                                "float16|bfloat16, got " + direction + ", " + dtype);
+  }
+  c.direction = direction == "forward" ? jax_sdpa::Direction::kForward
+                                       : jax_sdpa::Direction::kBackward;
+  c.element_type = dtype == "float16" ? jax_sdpa::ElementType::kFloat16
+                                      : jax_sdpa::ElementType::kBFloat16;
+  c.device = device;
+  c.batch = batch;
+  c.q_seq_len = q_seq_len;
+  c.kv_seq_len = kv_seq_len;
+  c.q_heads = q_heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.head_dim_v = head_dim_v;
+  c.scale = scale;
+  if (causal) c.window_right = 0;
+  std::vector<jax_sdpa::BufferSet> given;
+  for (const auto& set : buffers) {
+    given.emplace_back();
+    for (uintptr_t pointer : set) given.back().push_back(reinterpret_cast<void*>(pointer));
+  }
+  std::vector<jax_sdpa::PlanTiming> timings;
+  xla::ffi::Error status;
+  {
+    nb::gil_scoped_release released;  // seconds of GPU work
+    status = jax_sdpa::TimePlans(c, iterations, input_sets, given, &timings);
+  }
+  if (status.failure()) throw std::runtime_error(status.message());
+  nb::list result;
+  for (const auto& timing : timings) {
+    nb::dict row;
+    row["plan"] = timing.plan;
+    row["name"] = timing.name;
+    row["workspace_bytes"] = timing.workspace_size;
+    row["ms"] = timing.ms;
+    row["host_us"] = timing.host_us;
+    row["error"] = timing.error;
+    result.append(row);
+  }
+  return result;
+}
+
+}  // namespace
+
+NB_MODULE(_sdpa_devtools, m) {
+  m.def("time_plans", &TimePlans, nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"),
+        nb::arg("q_seq_len"), nb::arg("kv_seq_len"), nb::arg("q_heads"), nb::arg("kv_heads"),
+        nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("causal"), nb::arg("scale"),
+        nb::arg("iterations"), nb::arg("input_sets"),
+        nb::arg("buffers") = std::vector<std::vector<uintptr_t>>(), nb::arg("device") = 0,
+        "Times every cuDNN plan of one SDPA graph alone (CUDA events, a private stream): a "
+        "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order. "
+        "buffers: per input set, device pointers q, k, v, o, stats[, d_o, dq, dk, dv] the "
+        "caller owns; without them, input_sets sets of random values.");
+}

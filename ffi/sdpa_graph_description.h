@@ -1,0 +1,43 @@
+// The cuDNN frontend graph of one SdpaConfig, described but not yet validated or built. The
+// product's SdpaGraph (sdpa_graphs.cc) builds it with the heuristics' first plan; the plan-timing
+// tools (devtools/) build every plan. Including this pulls in the frontend header, which takes
+// ~40 s to compile: only those two translation units include it.
+#pragma once
+
+#include <cudnn_frontend.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "sdpa_config.h"
+
+namespace jax_sdpa {
+
+// How a variant pack names the device buffers of one execution.
+enum TensorUid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kBias,
+  kDBias,
+  kQLengths,
+  kKvLengths,
+  kDropoutSeed,
+  kDropoutOffset,
+  kQOffsets,  // ragged layout: element offsets of each document in Q (and dQ)
+  kKOffsets,
+  kVOffsets,
+  kOOffsets,  // O and dO
+  kStatsOffsets,
+};
+
+// The forward or backward graph (config.direction) of `config`.
+std::shared_ptr<cudnn_frontend::graph::Graph> DescribeSdpaGraph(const SdpaConfig& config);
+
+}  // namespace jax_sdpa

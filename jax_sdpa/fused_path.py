@@ -1,0 +1,131 @@
+"""The fused (cuDNN) path of dot_product_attention: a validated call and its plan become the
+kernel inputs (masks folded into one additive bias where cuDNN needs one, lengths completed,
+the dropout seed drawn), run through the custom_vjp, and the rows that see no key made what the
+reference path gives.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import kernel_vjp
+from jax_sdpa.planning import CudnnPlan
+from jax_sdpa.reference import combined_mask, large_negative
+from jax_sdpa.validation import AttentionCall
+
+
+def mask_to_bias(mask, dtype):
+    """Boolean mask (True = attend) -> additive bias: 0 where attended, a large negative number
+    elsewhere, with room left to add a user's bias without overflowing the dtype."""
+    return jnp.where(mask, 0.0, -0.5 * float(jnp.finfo(dtype).max)).astype(dtype)
+
+
+def _dense_mask(call: AttentionCall, dense_segments: bool):
+    """The user's mask, and segment ids as a [B, 1, T, S] mask where they take the dense path."""
+    if not dense_segments:
+        return call.mask
+    q_ids = call.query_segment_ids
+    kv_ids = q_ids if call.kv_segment_ids is None else call.kv_segment_ids
+    segments = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    return segments if call.mask is None else jnp.logical_and(call.mask, segments)
+
+
+def _inputs(call: AttentionCall, plan: CudnnPlan, mask):
+    """The kernel inputs by name (kernel_config.INPUTS) for the plan's config."""
+    config = plan.config
+    dtype = call.query.dtype
+    batch, q_seq_len, _, _ = call.query.shape
+    kv_seq_len = call.key.shape[1]
+    inputs = dict(query=call.query, key=call.key, value=call.value)
+    if config.has_bias:
+        bias = None if call.bias is None else call.bias.astype(dtype)
+        if mask is not None:
+            mask_bias = mask_to_bias(mask, dtype)
+            bias = mask_bias if bias is None else bias + mask_bias
+        # cuDNN broadcasts batch and heads, not the score axes.
+        inputs["bias"] = jnp.broadcast_to(bias, (*bias.shape[:2], q_seq_len, kv_seq_len))
+    if config.has_lengths:
+        full = lambda n: jnp.full((batch,), n, jnp.int32)  # noqa: E731
+        inputs["q_lengths"] = (full(q_seq_len) if call.query_seq_lengths is None
+                               else call.query_seq_lengths)
+        inputs["kv_lengths"] = (full(kv_seq_len) if call.key_value_seq_lengths is None
+                                else call.key_value_seq_lengths)
+    if config.segments:
+        inputs["q_segment_ids"] = call.query_segment_ids
+        if config.segments == "cross":
+            inputs["kv_segment_ids"] = call.kv_segment_ids
+    if config.has_seed:
+        inputs["dropout_seed"] = kernel_vjp.dropout_seed(call.dropout_rng)
+    return inputs
+
+
+def _may_hide_whole_rows(call: AttentionCall, mask) -> bool:
+    """Whether some query row may see no key on a dense cuDNN call. A causal or windowed row
+    always sees its diagonal key when cuDNN runs it (T <= S for windows, or padding mode),
+    unless key lengths cut that key off; masks (and dense segment ids) can hide anything.
+    (Packed calls fix their own rows: jax_sdpa/kernels.py.)"""
+    return mask is not None or (call.local_window_size is not None and call.has_lengths)
+
+
+def _rows_seeing_nothing(call: AttentionCall, mask):
+    """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal, window or the
+    key/value lengths. Without a dense mask the band and the key lengths say it per row,
+    O(T); with one, the mask itself has to be read."""
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    if mask is None:
+        return _band_rows_seeing_nothing(call)
+    keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=call.is_causal,
+                         local_window_size=call.local_window_size,
+                         key_value_seq_lengths=call.key_value_seq_lengths,
+                         diagonal_offset=call.diagonal_offset)
+    return ~jnp.any(keep, axis=-1)
+
+
+def _band_rows_seeing_nothing(call: AttentionCall):
+    """[B|1, 1, T]: rows whose band of keys (causal, window, both measured from the diagonal
+    offset) holds no key below the key/value length: an interval per row."""
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    positions = jnp.arange(q_seq_len)[None, :] + call.diagonal_offset
+    left, right = call.local_window_size or (None, None)
+    if call.is_causal:
+        right = 0 if right is None else min(right, 0)
+    low = jnp.zeros_like(positions) if left is None else jnp.maximum(positions - left, 0)
+    high = jnp.full_like(positions, kv_seq_len)
+    if call.key_value_seq_lengths is not None:
+        high = jnp.minimum(high, call.key_value_seq_lengths[:, None])
+    if right is not None:
+        high = jnp.minimum(high, positions + right + 1)
+    return (high <= low)[:, None, :]
+
+
+def _uniform_rows(call: AttentionCall, mask, output, lse):
+    """Rows that see no key get the plain average of all values, as the reference path (and
+    jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
+    does not swamp the scores, and rows emptied by padding are left to the kernel. The where
+    also sends those rows a zero cotangent, so the backward matches the reference's
+    gradient."""
+    _, q_seq_len, q_heads, _ = call.query.shape
+    kv_heads = call.key.shape[2]
+    empty = _rows_seeing_nothing(call, mask)  # [B|1, N|1, T]
+    mean_value = jnp.mean(call.value.astype(jnp.float32), axis=1)  # [B, K, Hv]
+    mean_value = jnp.repeat(mean_value, q_heads // kv_heads, axis=1)  # [B, N, Hv]
+    empty_btn = jnp.swapaxes(empty, 1, 2)[..., None]  # [B|1, T, N|1, 1]
+    output = jnp.where(empty_btn, mean_value[:, None].astype(output.dtype), output)
+    if call.query_seq_lengths is not None:
+        valid = jnp.arange(q_seq_len)[None, :] < call.query_seq_lengths[:, None]
+        output = output * valid[:, :, None, None].astype(output.dtype)
+    if call.key_value_seq_lengths is not None:
+        output = output * (call.key_value_seq_lengths > 0)[:, None, None, None].astype(
+            output.dtype)
+    lse = jnp.where(empty, large_negative(), lse)
+    return output, lse
+
+
+def run(call: AttentionCall, plan: CudnnPlan):
+    """Runs a validated call on its cuDNN plan: (output [B, T, N, Hv], lse [B, N, T])."""
+    mask = _dense_mask(call, plan.dense_segments)
+    output, lse = kernel_vjp.attention(plan.config, _inputs(call, plan, mask))
+    if not plan.config.segments and _may_hide_whole_rows(call, mask):
+        output, lse = _uniform_rows(call, mask, output, lse)
+    return output, lse

@@ -1,0 +1,94 @@
+"""KernelConfig: everything static about one kernel call, in one frozen (hashable) value.
+
+It is made once per call by jax_sdpa/planning.py and travels unchanged through the custom_vjp
+(kernel_vjp.py), the sharding rules (sharding_rules.py) and the kernels (kernels.py) down to the
+FFI call, where it produces the attributes the C++ handlers decode (tests/test_lowering.py
+checks them against the extension's own list). Adding an option means a field here, its
+attribute, and its use in C++.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Every array a kernel call can take, in the order the FFI and the sharding rules list them.
+INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
+          "kv_segment_ids", "dropout_seed")
+IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
+
+DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs before the kernel writes them
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    scale: float
+    # The causal/window band in cuDNN's terms: query i sees keys j with i - window_left < j
+    # (exclusive) and j <= i + window_right, measured from the top-left diagonal, or from the
+    # bottom-right one with bottom_right; -1: no bound. Causal is window_right = 0.
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = False
+    deterministic: bool = False
+    dropout: float = 0.0  # probability of dropping a weight; > 0 needs a dropout_seed input
+    implementation: str = "cudnn"
+    # The backward's kernel, when it differs from the forward's (a cuDNN forward whose backward
+    # cuDNN cannot run, e.g. T = S = 1).
+    backward_implementation: str | None = None
+    # Optional inputs: a bias [1|B, 1|N, T, S] (with its gradient when the bias is the user's,
+    # not a mask's), valid lengths [B], segment ids [B, T] / [B, S].
+    has_bias: bool = False
+    bias_batch_full: bool = False
+    bias_heads_full: bool = False
+    bias_grad: bool = False
+    has_lengths: bool = False
+    # Packed documents from segment ids: "" none, "self" (keys share the queries' ids),
+    # "cross" (kv_segment_ids of their own); at most max_segments documents per row run on
+    # cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
+    segments: str = ""
+    max_segments: int = 0
+    command_buffer: bool = False  # the FFI targets XLA may record into CUDA graphs
+    debug: int = 0  # DEBUG_* bits (tests)
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
+        if self.segments not in ("", "self", "cross"):
+            raise ValueError(f"segments must be '', 'self' or 'cross', got {self.segments!r}")
+
+    @property
+    def backward_kernel(self) -> str:
+        return self.backward_implementation or self.implementation
+
+    @property
+    def has_seed(self) -> bool:
+        return self.dropout > 0.0
+
+    @property
+    def banded(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def input_names(self) -> tuple[str, ...]:
+        """The inputs a call with this config takes, in INPUTS order."""
+        present = {"query": True, "key": True, "value": True, "bias": self.has_bias,
+                   "q_lengths": self.has_lengths, "kv_lengths": self.has_lengths,
+                   "q_segment_ids": bool(self.segments),
+                   "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed}
+        return tuple(name for name in INPUTS if present[name])
+
+    def ffi_attributes(self, *, ragged: bool = False) -> dict:
+        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them).
+        ragged: the call runs packed documents (lengths per document, offsets)."""
+        # Tokens of no document (past a length, or whose id the other side lacks) and rows past
+        # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
+        zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
+        return dict(scale=np.float32(self.scale), window_left=np.int64(self.window_left),
+                    window_right=np.int64(self.window_right),
+                    bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
+                    has_lengths=bool(self.has_lengths or ragged), ragged=bool(ragged),
+                    bias_grad=bool(self.has_bias and self.bias_grad),
+                    deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
+                    zero_outputs=bool(zero_outputs), debug=np.int64(self.debug),
+                    command_buffer=bool(self.command_buffer))

@@ -1,0 +1,57 @@
+"""The kernels' forward and backward joined by jax.custom_vjp.
+
+The forward's float32 stats (log-sum-exp per query row and head) are the residual the backward
+consumes, so the backward never recomputes the softmax normaliser. With dropout, the forward and
+backward get the same Philox seed, so the backward drops exactly what the forward dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sdpa import sharding_rules
+from jax_sdpa.kernel_config import KernelConfig
+
+_DIFFERENTIABLE = ("query", "key", "value", "bias")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(config: KernelConfig, inputs: dict):
+    """inputs: the config's arrays by name (kernel_config.INPUTS): query [B, T, N, H], key
+    [B, S, K, H], value [B, S, K, Hv], bias [1|B, 1|N, T, S] in the query's dtype, lengths int32
+    [B], segment ids int32 [B, T] / [B, S], dropout_seed uint32 [4] (Philox seed, then offset,
+    as two int64). Returns (output [B, T, N, Hv], lse float32 [B, N, T])."""
+    return sharding_rules.forward(config, inputs)
+
+
+def _forward(config, inputs):
+    output, stats = sharding_rules.forward(config, inputs)
+    return (output, stats), (inputs, output, stats)
+
+
+def _integer_zero(x):
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _backward(config, residuals, cotangents):
+    inputs, output, stats = residuals
+    # The log-sum-exp is returned under stop_gradient, as jax.nn does: its cotangent is dropped.
+    d_output, _ = cotangents
+    dq, dk, dv, dbias = sharding_rules.backward(config, inputs, output, stats, d_output)
+    if config.has_bias and dbias is None:
+        dbias = jnp.zeros_like(inputs["bias"])  # a mask's bias: nothing upstream needs it
+    grads = dict(query=dq, key=dk, value=dv, bias=dbias)
+    return ({name: grads[name] if name in _DIFFERENTIABLE else _integer_zero(x)
+             for name, x in inputs.items()},)
+
+
+attention.defvjp(_forward, _backward)
+
+
+def dropout_seed(rng):
+    """uint32 [4] holding cuDNN's Philox seed (64 random bits from the key) and offset (0)."""
+    return jnp.concatenate([jax.random.bits(rng, (2,), jnp.uint32), jnp.zeros((2,), jnp.uint32)])

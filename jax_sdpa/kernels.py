@@ -1,0 +1,122 @@
+"""The kernel layer: one forward and one backward per implementation ("cudnn": our FFI calls;
+"xla": the reference behind the same calling convention), chosen by the KernelConfig.
+
+    forward(config, inputs)  -> (output [B, T, N, Hv], stats float32 [B, N, T])
+    backward(config, inputs, output, stats, d_output) -> (dq, dk, dv, dbias or None)
+
+inputs: the config's arrays by name (kernel_config.INPUTS). This is what the sharding rules run
+per device. Packed segment ids on cuDNN live here too: the document table is built on the
+device, and a lax.cond runs cuDNN's ragged layout where the table can express the ids, else the
+exact blockwise reference (no [T, S] array in either branch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import _ffi, packing, reference_kernel
+from jax_sdpa.reference import large_negative
+
+
+def forward(config, inputs):
+    if config.implementation == "xla":
+        return reference_kernel.forward(config, inputs)
+    if config.segments:
+        return _packed_forward(config, inputs)
+    return tuple(_ffi.sdpa_forward(inputs, config))
+
+
+def backward(config, inputs, output, stats, d_output):
+    if config.backward_kernel == "xla":
+        forward_fn = (reference_kernel.blockwise_forward if config.segments else
+                      reference_kernel.forward)
+        return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)
+    if config.segments:
+        return _packed_backward(config, inputs, output, stats, d_output)
+    return tuple(_ffi.sdpa_backward(inputs, output, stats, d_output, config))
+
+
+def _documents(config, inputs):
+    return packing.documents(
+        inputs["q_segment_ids"], inputs.get("kv_segment_ids"),
+        max_segments=config.max_segments, q_lengths=inputs.get("q_lengths"),
+        kv_lengths=inputs.get("kv_lengths"), aligned=config.banded)
+
+
+def _ragged_operands(config, inputs, docs):
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    return packing.ragged_operands(docs, query.shape[2], key.shape[2], query.shape[3],
+                                   value.shape[3], key.shape[1])
+
+
+def _may_see_nothing(config) -> bool:
+    """Whether a query of a packed call can see no key: its id missing among the keys, or key
+    lengths cutting its document's keys (a row always sees its own position otherwise)."""
+    return config.segments == "cross" or config.has_lengths
+
+
+def _uniform_rows(config, inputs, docs):
+    """bool [B, T]: rows that see no key but must average all values, as the reference (and
+    jax.nn) do: within their query length, in a batch entry with at least one key."""
+    rows = packing.rows_seeing_nothing(docs, config.window_left, config.window_right,
+                                       inputs.get("q_lengths"))
+    if inputs.get("kv_lengths") is not None:
+        rows &= (inputs["kv_lengths"] > 0)[:, None]
+    return rows
+
+
+def _mean_value(inputs):
+    """[B, N, Hv] float32: each query head's average of all values."""
+    value = inputs["value"]
+    groups = inputs["query"].shape[2] // value.shape[2]
+    return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
+
+
+def _packed_forward(config, inputs):
+    docs = _documents(config, inputs)
+
+    def ragged(inputs):
+        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(config, inputs, docs))
+        stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
+        if _may_see_nothing(config):
+            uniform = _uniform_rows(config, inputs, docs)
+            output = jnp.where(uniform[:, :, None, None],
+                               _mean_value(inputs)[:, None].astype(output.dtype), output)
+            stats = jnp.where(uniform[:, None, :], large_negative(), stats)
+        return output, stats
+
+    def exact(inputs):
+        return reference_kernel.blockwise_forward(config, inputs)
+    return jax.lax.cond(docs.ok, ragged, exact, inputs)
+
+
+def _packed_backward(config, inputs, output, stats, d_output):
+    docs = _documents(config, inputs)
+
+    def ragged(inputs, output, stats, d_output):
+        uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
+        cleared = d_output
+        if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
+            cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
+        dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
+                                           config, _ragged_operands(config, inputs, docs))
+        if uniform is not None:
+            extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
+            dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
+        return dq, dk, dv, None
+
+    def exact(inputs, output, stats, d_output):
+        return reference_kernel.backward(config, inputs, output, stats, d_output,
+                                         reference_kernel.blockwise_forward)
+    return jax.lax.cond(docs.ok, ragged, exact, inputs, output, stats, d_output)
+
+
+def _mean_value_gradient(inputs, d_output):
+    """d/dV of rows that are the mean of all values: [B, S, K, Hv] float32, every key alike."""
+    value = inputs["value"]
+    batch, kv_seq_len, kv_heads, head_dim_v = value.shape
+    groups = inputs["query"].shape[2] // kv_heads
+    per_head = jnp.sum(d_output.astype(jnp.float32), axis=1)  # [B, N, Hv]
+    per_kv_head = per_head.reshape(batch, kv_heads, groups, head_dim_v).sum(2) / kv_seq_len
+    return jnp.broadcast_to(per_kv_head[:, None], value.shape)

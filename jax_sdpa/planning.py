@@ -1,0 +1,234 @@
+"""Planning a call: whether cuDNN can run it (and its backward), and if so the one KernelConfig
+that describes it everywhere below (band, options, operand layout); if not, why, in one sentence
+a user can act on. dot_product_attention and jax_sdpa.ring both decide here, so both warn (or,
+with implementation="cudnn", raise) the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import _ffi, debug
+from jax_sdpa._warnings import warn_once
+from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.validation import AttentionCall
+
+MIN_CUDNN_VERSION = 90000  # cuDNN 9.0: SDPA forward and backward through the frontend graphs
+MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: cuDNN's fused flash attention kernels
+MIN_RAGGED_COMPUTE_CAPABILITY = (9, 0)  # cuDNN's ragged (packed) layout: Hopper and newer
+MAX_HEAD_DIM = 256
+CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+_INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnPlan:
+    """How a call runs on cuDNN: its kernel config, and whether its segment ids must become a
+    dense bias (a combination the ragged layout cannot take)."""
+
+    config: KernelConfig
+    dense_segments: bool = False
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability():
+    """(major, minor) of the default device, or None when JAX does not say."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None:
+        return None
+    return tuple(int(part) for part in str(capability).split(".")[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def device_reason() -> str | None:
+    """None if the default backend is an NVIDIA GPU that cuDNN SDPA can serve, else why not."""
+    try:
+        devices = jax.devices()
+    except RuntimeError as error:
+        return f"no JAX devices ({error})"
+    device = devices[0]
+    if device.platform != "gpu" or "NVIDIA" not in device.device_kind.upper():
+        return (f"the default JAX device is {device.platform} ({device.device_kind}), not an NVIDIA "
+                "GPU: install jax[cuda13] (or jax[cuda12]) on a machine with an NVIDIA GPU")
+    capability = _device_capability()
+    if capability is not None and capability < MIN_COMPUTE_CAPABILITY:
+        return (f"{device.device_kind} has compute capability {capability[0]}.{capability[1]}; "
+                "cuDNN flash attention needs 8.0 (Ampere) or newer")
+    load_error = _ffi.extension_load_error()
+    if load_error is not None:
+        return load_error + ": reinstall jax_sdpa with pip install '.[cuda13]'"
+    version = _ffi.cudnn_version()
+    if version < MIN_CUDNN_VERSION:
+        return (f"the loaded cuDNN is {version}; jax_sdpa needs cuDNN >= 9.0 "
+                "(pip install nvidia-cudnn-cu13)")
+    return None
+
+
+def kernel_reason(dtype, head_dims) -> str | None:
+    """None if cuDNN's kernels take this dtype and these (name, head_dim) pairs, else why not."""
+    if dtype not in CUDNN_DTYPES:
+        return f"dtype {dtype} is not float16 or bfloat16"
+    for name, head_dim in head_dims:
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            return f"{name} {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
+    return None
+
+
+def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v) -> str | None:
+    """None if cuDNN's backward takes these sizes on this device, else why not (the limits the
+    cuDNN frontend checks when it builds the backward graph)."""
+    if q_seq_len == 1 and kv_seq_len == 1:
+        return "cuDNN's backward does not support one query and one key (T = S = 1)"
+    capability = _device_capability() if device_reason() is None else None
+    if capability is None or capability[0] == 9:
+        return None
+    if capability[0] == 10 and (head_dim, head_dim_v) == (192, 128):
+        return None
+    if max(head_dim, head_dim_v) > 128:
+        return (f"cuDNN's backward takes head dims up to 128 on compute capability "
+                f"{capability[0]}.{capability[1]} (got {head_dim} and {head_dim_v})")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """The causal/window band in cuDNN's terms (see KernelConfig)."""
+
+    left: int = -1
+    right: int = -1
+    bottom_right: bool = False
+
+
+def diagonal_band(call: AttentionCall) -> tuple[Band | None, str | None]:
+    """(the band cuDNN runs for this call, None) or (None, why cuDNN cannot run it).
+
+    A bottom-right band is shifted onto the top-left diagonal where the shifted bounds stay
+    valid (this also works with a bias and dropout, which cuDNN's own bottom-right alignment
+    refuses); otherwise cuDNN's bottom-right alignment is used where it applies."""
+    left, right = call.local_window_size or (None, None)
+    if call.is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return Band(), None
+    q_seq_len = call.query.shape[1]
+    kv_seq_len = call.key.shape[1]
+    offset = call.diagonal_offset
+    shifted_left = None if left is None else left - offset
+    shifted_right = None if right is None else right + offset
+    if (shifted_left is None or shifted_left >= 0) and (shifted_right is None or
+                                                          shifted_right >= 0):
+        band = Band(-1 if left is None else shifted_left + 1,
+                    -1 if right is None else shifted_right)
+    elif (call.bias is None and call.mask is None and call.dropout_rate == 0.0 and
+          not call.has_lengths and call.query_segment_ids is None and q_seq_len <= kv_seq_len):
+        band = Band(-1 if left is None else left + 1, -1 if right is None else right, True)
+    else:
+        return None, ("causal_alignment='bottom_right' with these sequence lengths "
+                      f"(T={q_seq_len}, S={kv_seq_len}) and window needs a band cuDNN does not "
+                      "offer together with a bias, mask, dropout, segment ids or sequence "
+                      "lengths")
+    if band.left >= 0 and q_seq_len > kv_seq_len and not call.has_lengths and not (
+            call.query_segment_ids is not None and ragged_reason(call) is None):
+        return None, (f"cuDNN's sliding window needs T <= S without sequence lengths (T="
+                      f"{q_seq_len}, S={kv_seq_len})")
+    return band, None
+
+
+def ragged_reason(call: AttentionCall) -> str | None:
+    """None if the call's segment ids can run on cuDNN's ragged (packed) layout, else why they
+    take the dense path (a [B, 1, T, S] bias)."""
+    if call.bias is not None or call.mask is not None:
+        return "segment ids with a bias or mask need a dense [B, N, T, S] bias"
+    if call.diagonal_offset != 0 and (call.is_causal or call.local_window_size is not None):
+        return ("segment ids with causal_alignment='bottom_right' and T != S need a dense "
+                "[B, 1, T, S] bias")
+    capability = _device_capability() if device_reason() is None else None
+    if capability is not None and capability < MIN_RAGGED_COMPUTE_CAPABILITY:
+        return ("cuDNN's ragged layout for segment ids needs compute capability 9.0 (Hopper) "
+                "or newer; using a dense [B, 1, T, S] bias")
+    batch, q_seq_len, q_heads, head_dim = call.query.shape
+    _, kv_seq_len, kv_heads, _ = call.key.shape
+    head_dim_v = call.value.shape[-1]
+    largest = max(batch * q_seq_len * q_heads * max(head_dim, head_dim_v),
+                  batch * kv_seq_len * kv_heads * max(head_dim, head_dim_v))
+    if largest >= _INT32_LIMIT:
+        return (f"a tensor of {largest} elements is past the int32 offsets of cuDNN's ragged "
+                "layout; using a dense [B, 1, T, S] bias")
+    return None
+
+
+def call_reason(call: AttentionCall) -> str | None:
+    """None if cuDNN can run this (validated) call's forward, else why not. Ignores the
+    device."""
+    reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
+                                              ("value head_dim", call.value.shape[-1])))
+    return reason or diagonal_band(call)[1]
+
+
+def use_cudnn(reason: str | None, implementation, subject: str = "this call") -> bool:
+    """True if cuDNN runs it; else the reference path with a one-time warning naming why
+    (implementation=None), or NotImplementedError (implementation="cudnn")."""
+    if implementation == "xla":
+        return False
+    if reason is None:
+        return True
+    if implementation == "cudnn":
+        raise NotImplementedError(f"implementation='cudnn' cannot run {subject}: {reason}")
+    warn_once(f"jax_sdpa: using the XLA reference path for {subject} because {reason}",
+              stacklevel=3)
+    return False
+
+
+def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
+    """The bias operand's presence and broadcast axes: the user's bias plus a mask's (and dense
+    segment ids', [B, 1, T, S]) as one additive bias."""
+    shapes = [x.shape for x in (call.bias, call.mask) if x is not None]
+    if dense_segments:
+        shapes.append((call.query.shape[0], 1))
+    if not shapes:
+        return {}
+    return dict(has_bias=True, bias_batch_full=any(s[0] > 1 for s in shapes),
+                bias_heads_full=any(s[1] > 1 for s in shapes),
+                bias_grad=call.bias is not None)
+
+
+def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan | None:
+    """The cuDNN plan of a validated call, or None for the reference path (after the one-time
+    warning, or NotImplementedError with implementation="cudnn")."""
+    reason = device_reason() or call_reason(call)
+    if not use_cudnn(reason, implementation):
+        return None
+    band, _ = diagonal_band(call)
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
+    backward_kernel = None
+    reason = backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v)
+    if reason is not None:
+        if implementation == "cudnn":
+            raise NotImplementedError(f"implementation='cudnn' cannot run this call's "
+                                      f"backward: {reason}")
+        warn_once(f"jax_sdpa: the backward of this call takes the XLA reference path because "
+                  f"{reason}", stacklevel=2)
+        backward_kernel = "xla"
+    segments, dense_segments = "", False
+    if call.query_segment_ids is not None:
+        reason = ragged_reason(call)
+        if reason is None:
+            segments = "self" if call.kv_segment_ids is None else "cross"
+        else:
+            warn_once(f"jax_sdpa: segment ids take the dense path because {reason}",
+                      stacklevel=2)
+            dense_segments = True
+    config = KernelConfig(
+        scale=call.scale, window_left=band.left, window_right=band.right,
+        bottom_right=band.bottom_right, deterministic=bool(deterministic),
+        dropout=call.dropout_rate, implementation="cudnn",
+        backward_implementation=backward_kernel, has_lengths=call.has_lengths,
+        segments=segments, max_segments=call.max_segments if segments else 0,
+        command_buffer=_ffi.command_buffers(), debug=debug.flags(),
+        **_bias_layout(call, dense_segments))
+    return CudnnPlan(config, dense_segments)

@@ -1,0 +1,89 @@
+"""A pure-JAX stand-in for our ragged FFI calls, for testing the packed path on CPU.
+
+It reads the ragged operands exactly as cuDNN does (each document's element offsets into the
+flattened q/k/v/o/stats and its lengths; a causal band or window measured from the document's
+first token) and leaves what cuDNN leaves: tokens of no document are zero when the call asks the
+handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Dense
+(non-ragged) calls go to the reference kernel. Any disagreement between the packed path's
+bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py) and the segment-id semantics shows up
+against the reference without a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import reference_kernel
+
+
+def _token_documents(starts, lengths, total):
+    """int32 [total]: each flattened token's document, or -1."""
+    tokens = jnp.arange(total)[None, :]
+    inside = (tokens >= starts[:, None]) & (tokens < (starts + lengths)[:, None])
+    return jnp.where(jnp.any(inside, axis=0), jnp.argmax(inside, axis=0), -1)
+
+
+def _ragged_attention(query, key, value, config, ragged_operands):
+    """(output [B, T, N, Hv] float32, stats [B, T, N], covered [B*T] bool)."""
+    q_lengths, kv_lengths, offsets = ragged_operands
+    batch, q_seq_len, q_heads, head_dim = query.shape
+    _, kv_seq_len, kv_heads, head_dim_v = value.shape
+    documents = q_lengths.shape[0]
+    q_starts = offsets[0, :documents] // (q_heads * head_dim)
+    kv_starts = offsets[1, :documents] // (kv_heads * head_dim)
+    q_doc = _token_documents(q_starts, q_lengths, batch * q_seq_len)
+    kv_doc = _token_documents(kv_starts, kv_lengths, batch * kv_seq_len)
+    q_rel = jnp.arange(batch * q_seq_len) - q_starts[jnp.maximum(q_doc, 0)]
+    kv_rel = jnp.arange(batch * kv_seq_len) - kv_starts[jnp.maximum(kv_doc, 0)]
+    visible = (q_doc[:, None] == kv_doc[None, :]) & (q_doc[:, None] >= 0)
+    if config.window_right >= 0:
+        visible &= kv_rel[None, :] <= q_rel[:, None] + config.window_right
+    if config.window_left >= 0:
+        visible &= kv_rel[None, :] > q_rel[:, None] - config.window_left
+    groups = q_heads // kv_heads
+    q = query.reshape(batch * q_seq_len, q_heads, head_dim).astype(jnp.float32)
+    k = jnp.repeat(key.reshape(batch * kv_seq_len, kv_heads, head_dim), groups, axis=1)
+    v = jnp.repeat(value.reshape(batch * kv_seq_len, kv_heads, head_dim_v), groups, axis=1)
+    scores = jnp.einsum("tnh,snh->nts", q, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * config.scale
+    scores = jnp.where(visible[None], scores, -jnp.inf)
+    any_visible = jnp.any(visible, axis=1)[None, :, None]
+    safe = jnp.where(any_visible, scores, 0.0)
+    probs = jnp.where(any_visible, jax.nn.softmax(safe, axis=-1), 0.0)
+    out = jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    stats = jnp.where(any_visible[0], jax.nn.logsumexp(safe, axis=-1).T, -1e30)
+    return (out.reshape(batch, q_seq_len, q_heads, head_dim_v), stats.reshape(
+        batch, q_seq_len, q_heads), q_doc >= 0, kv_doc >= 0)
+
+
+def _unwritten(x, covered, config):
+    """What cuDNN leaves in tokens of no document (covered: bool [B * T], x: [B, T, ...]):
+    zeros if the handler zero-fills, else NaN."""
+    fill = 0.0 if config.ffi_attributes(ragged=True)["zero_outputs"] else jnp.nan
+    return jnp.where(covered.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x, fill)
+
+
+def sdpa_forward(inputs, config, ragged_operands=None):
+    if ragged_operands is None:
+        return reference_kernel.forward(config, inputs)
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands)
+    return (_unwritten(out, q_covered, config).astype(query.dtype),
+            _unwritten(stats, q_covered, config))
+
+
+def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None):
+    if ragged_operands is None:
+        return reference_kernel.backward(config, inputs, output, stats, d_output)
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+
+    def primal(query, key, value):
+        return _ragged_attention(query, key, value, config, ragged_operands)[0]
+    _, vjp = jax.vjp(primal, *(x.astype(jnp.float32) for x in (query, key, value)))
+    dq, dk, dv = vjp(d_output.astype(jnp.float32))
+    _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands)
+    return (_unwritten(dq, q_covered, config).astype(query.dtype),
+            _unwritten(dk, kv_covered, config).astype(key.dtype),
+            _unwritten(dv, kv_covered, config).astype(value.dtype), None)

@@ -1,0 +1,209 @@
+"""Packed segment ids on the cuDNN path, without a GPU: the document table (jax_sdpa/packing.py)
+and the packed kernels (jax_sdpa/kernels.py) with our ragged FFI calls replaced by a pure-JAX
+stand-in that reads the ragged operands as cuDNN does (tests/ragged_emulator.py). Every case is
+checked against the reference path's segment-id semantics (the float64-faithful oracle of
+test_properties.py runs the reference itself), values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa import _ffi, packing, planning
+import ragged_emulator
+from conftest import relative_error
+
+B, T, N, K, H = 2, 48, 4, 2, 32
+
+
+@pytest.fixture
+def emulated_cudnn(monkeypatch):
+    """dot_product_attention(implementation="cudnn") on CPU, with the emulated ragged calls."""
+    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
+    monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)
+
+
+def runs(*lengths_and_ids):
+    """A row of ids from (length, id) pairs."""
+    return np.concatenate([np.full(n, i, np.int32) for n, i in lengths_and_ids])
+
+
+ROWS = {
+    "contiguous": [runs((10, 1), (20, 2), (18, 3)), runs((48, 7))],
+    "padding_id_last": [runs((15, 1), (25, 2), (8, 0)), runs((30, 1), (18, 0))],
+    "unsorted_ids": [runs((12, 9), (12, 3), (24, 5)), runs((1, 4), (1, 2), (46, 8))],
+    "single_tokens": [np.arange(48, dtype=np.int32), runs((24, 0), (24, 1))],
+    "reused_id": [runs((10, 1), (10, 2), (28, 1)), runs((48, 3))],  # not one run: fallback
+}
+
+
+def qkv(seed, kv_seq=T, kv_heads=K, head_dim_v=H):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H)).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, kv_seq, kv_heads, H)).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, kv_seq, kv_heads, head_dim_v)).astype(jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], (B, T, N, head_dim_v)).astype(jnp.bfloat16)
+    return q, k, v, d_out
+
+
+def check(q, k, v, d_out, **kwargs):
+    """Packed cuDNN (emulated) against the reference on the upcast inputs: output, lse and
+    every gradient."""
+    def make(implementation, cast):
+        def fn(q, k, v):
+            out, lse = jax_sdpa.dot_product_attention(
+                cast(q), cast(k), cast(v), implementation=implementation, return_residual=True,
+                **kwargs)
+            return out, lse
+        return jax.jit(fn)
+    (out, lse), vjp = jax.vjp(make("cudnn", lambda x: x), q, k, v)
+    ours = (out, *vjp((d_out, jnp.zeros_like(lse))))
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (out_ref, lse_ref), vjp_ref = jax.vjp(make("xla", up), q, k, v)
+    ref = (out_ref, *vjp_ref((up(d_out), jnp.zeros_like(lse_ref))))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, ref):
+        assert relative_error(a, b) < 2e-2, f"{name}: {relative_error(a, b):.2e}"
+    return out, lse, lse_ref
+
+
+@pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+def test_self_packed_matches_segment_semantics(rows, mask, emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS[rows]))
+    kwargs = dict(query_segment_ids=ids, is_causal=mask == "causal",
+                  local_window_size=(5, 2) if mask == "window" else None)
+    out, lse, lse_ref = check(*qkv(len(rows)), **kwargs)
+    assert relative_error(lse, lse_ref) < 1e-2
+
+
+def test_document_table_of_runs():
+    ids = jnp.asarray(np.stack(ROWS["contiguous"]))
+    docs = packing.documents(ids, None, max_segments=4)
+    assert bool(docs.ok)
+    np.testing.assert_array_equal(docs.q_start, [[0, 10, 30, 48], [0, 48, 48, 48]])
+    np.testing.assert_array_equal(docs.q_len, [[10, 20, 18, 0], [48, 0, 0, 0]])
+    np.testing.assert_array_equal(docs.kv_len, docs.q_len)
+
+
+@pytest.mark.parametrize("rows,max_segments,ok", [
+    ("contiguous", 3, True), ("contiguous", 2, False), ("reused_id", 8, False),
+    ("single_tokens", 48, True), ("single_tokens", 47, False), ("unsorted_ids", 3, True)])
+def test_document_table_says_when_it_cannot_hold_the_ids(rows, max_segments, ok):
+    docs = packing.documents(jnp.asarray(np.stack(ROWS[rows])), None,
+                             max_segments=max_segments)
+    assert bool(docs.ok) == ok
+
+
+@pytest.mark.parametrize("max_segments", [2, 64])
+def test_rows_with_more_documents_than_slots_are_exact(max_segments, emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS["contiguous"]))
+    check(*qkv(3), query_segment_ids=ids, is_causal=True, max_segments=max_segments)
+
+
+def test_lengths_with_segments_zero_padded_rows(emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS["padding_id_last"]))
+    out, _, _ = check(*qkv(4), query_segment_ids=ids, is_causal=True,
+                      query_seq_lengths=jnp.array([40, 30], jnp.int32),
+                      key_value_seq_lengths=jnp.array([40, 0], jnp.int32))
+    assert not np.any(np.asarray(out[0, 40:], np.float32))
+    assert not np.any(np.asarray(out[1], np.float32))  # no keys at all: zeros, as jax.nn's
+
+
+def test_kv_lengths_cutting_a_document_leave_uniform_rows(emulated_cudnn):
+    """Documents whose keys are all past the key length see nothing: the mean of all values."""
+    ids = jnp.asarray(np.stack(ROWS["contiguous"]))
+    check(*qkv(5), query_segment_ids=ids, key_value_seq_lengths=jnp.array([8, 48], jnp.int32))
+    check(*qkv(6), query_segment_ids=ids, local_window_size=(3, 0),
+          query_seq_lengths=jnp.array([48, 20], jnp.int32),
+          key_value_seq_lengths=jnp.array([12, 10], jnp.int32))
+
+
+S = 40
+CROSS = {
+    "aligned": (runs((10, 1), (20, 2), (18, 3)), runs((10, 1), (20, 2), (10, 3))),
+    "id_missing_in_keys": (runs((10, 1), (20, 2), (18, 3)), runs((10, 1), (30, 3))),
+    "misaligned": (runs((10, 1), (20, 2), (18, 3)), runs((5, 1), (20, 2), (15, 3))),
+    "keys_out_of_order": (runs((24, 1), (24, 2)), runs((20, 2), (20, 1))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CROSS))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_cross_segments(case, is_causal, emulated_cudnn):
+    q_row, kv_row = CROSS[case]
+    q_ids = jnp.asarray(np.stack([q_row, q_row[::-1]]))
+    kv_ids = jnp.asarray(np.stack([kv_row, kv_row[::-1]]))
+    check(*qkv(7, kv_seq=S), query_segment_ids=q_ids, kv_segment_ids=kv_ids,
+          is_causal=is_causal)
+
+
+@pytest.mark.parametrize("kv_heads,head_dim_v", [(1, 32), (4, 64)], ids=["mqa", "hv64"])
+def test_gqa_and_value_head_dim(kv_heads, head_dim_v, emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS["unsorted_ids"]))
+    check(*qkv(8, kv_heads=kv_heads, head_dim_v=head_dim_v), query_segment_ids=ids,
+          is_causal=True)
+
+
+def test_vmap_folds_into_one_packed_call(emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS["contiguous"]))
+    q, k, v, _ = qkv(9)
+    stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
+    both_ids = jnp.stack([ids, ids[::-1]])
+
+    def fn(implementation):
+        return jax.jit(jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+            q, k, v, query_segment_ids=ids, is_causal=True,
+            implementation=implementation).astype(jnp.float32)))
+    ours = fn("cudnn")(*stacked, both_ids)
+    ref = fn("xla")(*(x.astype(jnp.float32) for x in stacked), both_ids)
+    assert relative_error(ours, ref) < 2e-2
+    text = jax.jit(jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+        q, k, v, query_segment_ids=ids, implementation="cudnn"))).lower(
+        *stacked, both_ids).as_text()
+    assert text.count("stablehlo.case") + text.count("mhlo.case") <= 1  # one cond, not a select
+
+
+def test_packed_lowering_has_no_score_sized_array(monkeypatch):
+    """No [T, S] intermediate anywhere in the packed fwd+bwd for CUDA: the ragged branch works
+    per token, the exact fallback per query block."""
+    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    t = 4096
+    q = jnp.zeros((1, t, 4, 64), jnp.bfloat16)
+    ids = jnp.zeros((1, t), jnp.int32)
+    grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, query_segment_ids=ids,
+        implementation="cudnn").astype(jnp.float32).sum())
+    text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"x{t}x{t}x" not in text and f"{t}x{t}xi1" not in text
+
+
+@pytest.mark.parametrize("case", ["self_causal", "cross_window_lengths"])
+def test_blockwise_fallback_is_the_reference(case):
+    """The exact fallback, block by block (a block that does not divide T), against the whole
+    reference: values and gradients."""
+    from jax_sdpa import reference_kernel  # noqa: PLC0415
+    from jax_sdpa.kernel_config import KernelConfig  # noqa: PLC0415
+    q, k, v, d_out = (x.astype(jnp.float32) for x in qkv(10, kv_seq=S))
+    q_ids = jnp.asarray(np.stack(ROWS["reused_id"]))
+    inputs = dict(query=q, key=k[:, :T] if case == "self_causal" else k,
+                  value=v[:, :T] if case == "self_causal" else v, q_segment_ids=q_ids)
+    if case == "self_causal":
+        inputs = dict(inputs, key=q[:, :, :K], value=q[:, :, :K])
+        config = KernelConfig(0.2, window_right=0, segments="self", max_segments=4)
+    else:
+        kv_row = runs((10, 1), (10, 2), (20, 3))
+        inputs["kv_segment_ids"] = jnp.asarray(np.stack([kv_row, kv_row]))
+        inputs["q_lengths"] = jnp.array([40, 30], jnp.int32)
+        inputs["kv_lengths"] = jnp.array([35, 40], jnp.int32)
+        config = KernelConfig(0.2, window_left=6, window_right=2, has_lengths=True,
+                              segments="cross", max_segments=4)
+    whole = lambda q: reference_kernel.forward(config, dict(inputs, query=q))  # noqa: E731
+    blocks = lambda q: reference_kernel.blockwise_forward(  # noqa: E731
+        config, dict(inputs, query=q), block=7)
+    (out_a, lse_a), vjp_a = jax.vjp(whole, q)
+    (out_b, lse_b), vjp_b = jax.vjp(blocks, q)
+    assert relative_error(out_b, out_a) < 1e-5 and relative_error(lse_b, lse_a) < 1e-5
+    cot = (d_out, jnp.zeros_like(lse_a))
+    assert relative_error(vjp_b(cot)[0], vjp_a(cot)[0]) < 1e-5
