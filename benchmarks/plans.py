@@ -5,7 +5,7 @@
 For each config: every plan cuDNN's heuristics offer (modes A, B, fallback), forward and
 backward, timed by the extension with CUDA events around a straight run of executions on a
 private stream, rotating over the CALLS input sets the JAX calls use (the same arrays: same
-data, same memory; ffi/kernel_timing.h); then jax_sdpa (default
+data, same memory; ffi/devtools/kernel_timing.h); then jax_sdpa (default
 and with command buffers) and jax.nn's cuDNN path as the marginal cost of a call inside jit:
 chains of CALLS and 2 * CALLS independent calls (benchmarks/attention.py's method, median of
 interleaved rounds), (t(2n) - t(n)) / n, so that the fixed cost of dispatching a jit and
@@ -48,9 +48,18 @@ def buffer_sets(config, direction, inputs):
     return sets, keep
 
 
+def devtools():
+    """The developer-tools extension (ffi/devtools/), loaded after the product's (which loads
+    the process's cuDNN first)."""
+    _ffi.extension()
+    from jax_sdpa import _sdpa_devtools  # noqa: PLC0415
+
+    return _sdpa_devtools
+
+
 def time_plans(config, direction, rounds, inputs):
     sets, keep = buffer_sets(config, direction, inputs)
-    timings = _ffi.extension().time_plans(
+    timings = devtools().time_plans(
         direction=direction, dtype=jnp.dtype(config.dtype).name, batch=config.batch,
         q_seq_len=config.seq, kv_seq_len=config.seq, q_heads=config.q_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, head_dim_v=config.head_dim,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (the device tool), from the repo root: install carried wheels, build the
 # extension with the machine's own Python, run the whole test suite, then the benchmark.
-#   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark)
+#   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark; PACKED=1 adds
+#   the packed-rows benchmark, benchmarks/packed.py)
 # Carried wheels live in .whl/ (see docs/DEVELOPING.md); logs go to $OUT when it is set.
 set -uo pipefail
 out="${OUT:-/tmp/jax_sdpa_out}"
@@ -30,6 +31,9 @@ if [ "${TRAIN:-0}" = "1" ]; then
   done
   python3 examples/compare_runs.py /tmp/train-jax_sdpa /tmp/train-jax-cudnn /tmp/train-xla \
     --out "$out/comparison.png"
+fi
+if [ "${PACKED:-0}" = "1" ]; then
+  timeout "${PACKED_TIMEOUT:-600}" python3 -m benchmarks.packed --out "$out" ${PACKED_ARGS:-} 2>&1 | tail -45
 fi
 if [ "${BENCH:-1}" = "1" ]; then
   python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tail -45

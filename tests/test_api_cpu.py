@@ -125,3 +125,20 @@ def test_rows_without_keys_are_zero_for_a_zero_kv_length():
     out = ours(q, k, v, key_value_seq_lengths=jnp.array([0, 6], jnp.int32))
     np.testing.assert_array_equal(out[0], 0.0)
     np.testing.assert_allclose(out[1], theirs(q, k, v)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
+    """cuDNN's backward refuses T = S = 1 (its frontend says so at graph build, inside jit):
+    planned up front, the default call keeps cuDNN's forward and takes the reference backward
+    with a warning; implementation='cudnn' raises before anything runs."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    jax_sdpa._warnings.reset()
+    q = jnp.zeros((4, 1, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="backward.*T = S = 1"):
+        jax_sdpa.dot_product_attention(q, q, q, implementation="cudnn")
+    grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(q, q, q).astype(
+        jnp.float32).sum())
+    with pytest.warns(RuntimeWarning, match="backward.*reference path.*T = S = 1"):
+        text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    targets = jax_sdpa._ffi.target_names()
+    assert targets["forward"] in text and targets["backward"] not in text

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi
-from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention
-from conftest import assert_close_to_reference, random_qkv, relative_error
+from jax_sdpa import debug
+from jax_sdpa.kernel_config import KernelConfig
+from conftest import (assert_close_to_reference, kernel_attention, random_qkv, relative_error,
+                      target)
 
 pytestmark = pytest.mark.gpu
 
@@ -92,9 +93,9 @@ def test_return_residual_is_the_log_sum_exp():
 
 def test_every_output_element_is_written():
     q, k, v, d_out = random_qkv(6, 2, 200, 136, 8, 4, 64, jnp.bfloat16)
-    with _ffi.poison_outputs():
-        options = CudnnOptions(0.125, window_right=0)
-        fn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, None, None, None, None, options))
+    with debug.poison_outputs():
+        fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, scale=0.125, is_causal=True, implementation="cudnn", return_residual=True))
         (out, stats), vjp = jax.vjp(fn, q, k, v)
         grads = vjp((d_out, jnp.zeros_like(stats)))
     for name, x in zip(("output", "stats", "dq", "dk", "dv"), (out, stats, *grads)):
@@ -108,7 +109,7 @@ def test_compiled_hlo_calls_our_targets_only():
     grad = jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
         q, k, v, is_causal=True).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     text = jax.jit(grad).lower(q, k, v).compile().as_text()
-    assert _ffi.FORWARD_TARGET in text and _ffi.BACKWARD_TARGET in text
+    assert target("forward") in text and target("backward") in text
     assert "cudnn$fmha" not in text
 
 
@@ -132,8 +133,8 @@ def test_cudnn_failure_is_an_exception_and_the_next_call_works():
     # The Python API refuses it first, so the custom_vjp is called directly.
     q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 60, jnp.float16)
     with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=60"):
-        jax.block_until_ready(jax.jit(lambda *a: cudnn_attention(
-            *a, None, None, None, None, CudnnOptions(0.1)))(q, k, v))
+        jax.block_until_ready(jax.jit(lambda *a: kernel_attention(
+            *a, KernelConfig(0.1)))(q, k, v))
     q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
     out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
     assert np.all(np.isfinite(np.asarray(out, np.float32)))

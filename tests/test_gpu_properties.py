@@ -50,9 +50,14 @@ def draw_problem(rng):
     if rng.random() < 0.3:
         # Sometimes rows see no key at all: they average all values (the uniform-row contract).
         kwargs["mask"] = rng.random((int(rng.choice([1, b])), 1, t, s)) > rng.choice([0.4, 0.97])
-    if rng.random() < 0.2:  # packed documents, contiguous runs of ids
-        kwargs["query_segment_ids"] = np.sort(rng.integers(0, 4, (b, t)), 1).astype(np.int32)
-        kwargs["kv_segment_ids"] = np.sort(rng.integers(0, 4, (b, s)), 1).astype(np.int32)
+    if rng.random() < 0.3:  # packed documents
+        if t == s and rng.random() < 0.5:  # the keys share the queries' ids
+            kwargs["query_segment_ids"] = np.sort(rng.integers(0, 6, (b, t)), 1).astype(np.int32)
+            if rng.random() < 0.3:  # and some rows reuse an id further on
+                kwargs["query_segment_ids"][:, t // 2:] %= 2
+        else:  # ids of their own, contiguous runs
+            kwargs["query_segment_ids"] = np.sort(rng.integers(0, 4, (b, t)), 1).astype(np.int32)
+            kwargs["kv_segment_ids"] = np.sort(rng.integers(0, 4, (b, s)), 1).astype(np.int32)
     if rng.random() < 0.3:
         kwargs["query_seq_lengths"] = rng.integers(1, t + 1, size=b).astype(np.int32)
         kwargs["key_value_seq_lengths"] = rng.integers(1, s + 1, size=b).astype(np.int32)

@@ -1,8 +1,8 @@
-"""Sharding rules (jax_sdpa.partitioning) under jit: with q/k/v sharded over batch and/or heads
+"""Sharding rules (jax_sdpa.sharding_rules) under jit: with q/k/v sharded over batch and/or heads
 each device runs the kernel on its shard, and the compiled program has no collective around it
 (the sum of a broadcast bias's gradient aside); any other layout is resharded, not refused.
 
-The "reference" kernel runs everywhere (CI: 8 CPU devices), through the same code path as
+The "xla" kernel (the reference) runs everywhere (CI: 8 CPU devices), through the same code path as
 cuDNN with only the kernel swapped; the "cudnn" kernel runs on however many GPUs are visible
 (a 1-device mesh on one GPU; nvidia-h200-x2 runs the 2-device meshes)."""
 
@@ -12,14 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jax_sdpa
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_sdpa.cudnn_path import CudnnOptions, cudnn_attention, dropout_seed
-from conftest import relative_error
+from jax_sdpa import _ffi, planning
+from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.kernel_vjp import dropout_seed
+from conftest import kernel_attention, relative_error
+import ragged_emulator
 
 B, T, N, K, H = 8, 64, 16, 8, 64
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-KERNELS = ["reference", pytest.param("cudnn", marks=pytest.mark.gpu)]
+KERNELS = ["xla", pytest.param("cudnn", marks=pytest.mark.gpu)]
 
 
 def auto_mesh(shape, names):
@@ -46,17 +51,24 @@ def inputs(kernel, bias_shape=None):
     return q, k, v, d_out, bias
 
 
-def step_fn(kernel, with_bias, dropout=0.0):
+def step_fn(kernel, bias_shape=None, dropout=0.0):
     """Forward and backward as one jitted program, returning every result (no scalar loss, so
     no reduction of our own enters the compiled program)."""
-    options = CudnnOptions(scale=0.125, window_right=0, bias_grad=with_bias, kernel=kernel,
-                           dropout=dropout)
+    config = KernelConfig(scale=0.125, window_right=0, implementation=kernel, dropout=dropout,
+                          has_bias=bias_shape is not None, bias_grad=bias_shape is not None,
+                          bias_batch_full=bias_shape is not None and bias_shape[0] > 1,
+                          bias_heads_full=bias_shape is not None and bias_shape[1] > 1)
 
     def step(q, k, v, d_out, bias):
-        seed = dropout_seed(jax.random.key(7)) if dropout else None
-        out, vjp = jax.vjp(lambda q, k, v, bias: cudnn_attention(
-            q, k, v, bias, None, None, seed, options)[0], q, k, v, bias)
-        return (out, *vjp(d_out))
+        optional = {} if bias is None else dict(bias=bias)
+        if dropout:
+            optional["dropout_seed"] = dropout_seed(jax.random.key(7))
+
+        def attention(q, k, v, optional):
+            return kernel_attention(q, k, v, config, **optional)[0]
+        out, vjp = jax.vjp(attention, q, k, v, optional)
+        d_q, d_k, d_v, d_optional = vjp(d_out)
+        return (out, d_q, d_k, d_v, d_optional.get("bias"))
     return step
 
 
@@ -73,7 +85,7 @@ def check(kernel, mesh_shape, q_spec, kv_spec, bias_shape=None, bias_spec=P(),
           allowed=frozenset()):
     mesh = auto_mesh(mesh_shape, ("data", "model"))
     q, k, v, d_out, bias = inputs(kernel, bias_shape)
-    step = step_fn(kernel, bias is not None)
+    step = step_fn(kernel, bias_shape)
     shardings = tuple(shard(mesh, spec, x) for spec, x in
                       ((q_spec, q), (kv_spec, k), (kv_spec, v), (q_spec, d_out),
                        (bias_spec, bias)))
@@ -135,8 +147,42 @@ def test_dropout_under_sharding_runs_per_shard(kernel):
     q, k, v, d_out, _ = inputs(kernel)
     q, k, v, d_out = (jnp.concatenate([x[:B // n]] * n) for x in (q, k, v, d_out))
     spec = NamedSharding(mesh, P("data"))
-    out = jax.jit(step_fn(kernel, False, dropout=0.3), in_shardings=(spec,) * 4 + (None,))(
+    out = jax.jit(step_fn(kernel, dropout=0.3), in_shardings=(spec,) * 4 + (None,))(
         q, k, v, d_out, None)[0]
     out = np.asarray(out, np.float32)
     first, second = out[:B // n], out[B // n:2 * B // n]
     assert np.all(np.isfinite(first)) and not np.allclose(first, second)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cudnn-emulated", pytest.param(
+    "cudnn", marks=pytest.mark.gpu)])
+def test_packed_rows_sharded_over_batch_run_per_device(kernel, monkeypatch):
+    """Packed segment ids, rows sharded over the batch: each device builds its own rows'
+    document table and runs them, no collective (the device-side layout check included)."""
+    if kernel == "cudnn-emulated":
+        if planning.device_reason() is None:
+            pytest.skip("a GPU is present: the real kernel runs instead")
+        monkeypatch.setattr(planning, "device_reason", lambda: None)
+        monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
+        monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)
+    implementation = "xla" if kernel == "xla" else "cudnn"
+    n = len(jax.devices())
+    mesh = auto_mesh((n, 1), ("data", "model"))
+    q, k, v, d_out, _ = inputs(implementation)
+    ids = jnp.asarray(np.repeat(np.arange(4, dtype=np.int32), T // 4)[None].repeat(B, 0))
+    ids = ids.at[::2].set(ids[::2] * 3 + 1)  # other ids in every other row
+
+    def step(q, k, v, d_out, ids):
+        out, vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation),
+            q, k, v)
+        return (out, *vjp(d_out))
+    spec = NamedSharding(mesh, P("data"))
+    args = (q, k, v, d_out, ids)
+    text = jax.jit(step, in_shardings=(spec,) * 5).lower(*args).compile().as_text()
+    found = {op for op in COLLECTIVES if re.search(rf"\b{op}(-start)?\(", text)}
+    assert not found, found
+    sharded = jax.jit(step, in_shardings=(spec,) * 5)(*args)
+    single = jax.jit(step)(*args)
+    for a, b in zip(sharded, single):  # bf16 rounds where XLA fuses differently per shard
+        assert relative_error(a, b) < (1e-5 if implementation == "xla" else 1e-3)

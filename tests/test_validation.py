@@ -68,3 +68,11 @@ def test_bad_arguments_raise_clear_errors(case):
     _, args, kwargs, error, pattern = case
     with pytest.raises(error, match=pattern):
         jax_sdpa.dot_product_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_max_segments_is_a_positive_int(value, error):
+    q = jnp.zeros((2, 8, 2, 16), jnp.float32)
+    with pytest.raises(error, match="max_segments"):
+        jax_sdpa.dot_product_attention(q, q, q, query_segment_ids=jnp.zeros((2, 8), jnp.int32),
+                                       max_segments=value)

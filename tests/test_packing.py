@@ -1,8 +1,8 @@
-"""Packed segment ids on the cuDNN path, without a GPU: the document table (jax_sdpa/packing.py)
-and the packed kernels (jax_sdpa/kernels.py) with our ragged FFI calls replaced by a pure-JAX
-stand-in that reads the ragged operands as cuDNN does (tests/ragged_emulator.py). Every case is
-checked against the reference path's segment-id semantics (the float64-faithful oracle of
-test_properties.py runs the reference itself), values and gradients."""
+"""Packed segment ids on the cuDNN path: the document table (jax_sdpa/packing.py) and the
+packed kernels (jax_sdpa/kernels.py). On a GPU the real ragged calls run; without one, our
+ragged FFI calls are replaced by a pure-JAX stand-in that reads the ragged operands as cuDNN
+does (tests/ragged_emulator.py). Every case is checked against the reference path's segment-id
+semantics (which test_properties.py checks against a float64 oracle), values and gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,10 @@ B, T, N, K, H = 2, 48, 4, 2, 32
 
 @pytest.fixture
 def emulated_cudnn(monkeypatch):
-    """dot_product_attention(implementation="cudnn") on CPU, with the emulated ragged calls."""
+    """dot_product_attention(implementation="cudnn"): cuDNN on a GPU; elsewhere the emulated
+    ragged calls."""
+    if planning.device_reason() is None:
+        return
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
     monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)

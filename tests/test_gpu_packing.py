@@ -1,0 +1,146 @@
+"""Packed segment ids on cuDNN's ragged layout at training sizes, against the float32 reference.
+(tests/test_packing.py runs the small cases on the GPU too.) Skipped without a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa import debug
+from conftest import assert_close_to_reference, random_qkv, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def packed_ids(rng, batch, seq_len, low=16, high=None, padding=0):
+    """Rows of documents with lengths drawn from [low, high], ids 1.. and `padding` trailing
+    tokens with id 0."""
+    high = high or seq_len
+    rows = []
+    for _ in range(batch):
+        row, next_id = [], 1
+        while len(row) < seq_len - padding:
+            length = int(rng.integers(low, high + 1))
+            row += [next_id] * length
+            next_id += 1
+        rows.append(np.array(row[:seq_len - padding] + [0] * padding, np.int32))
+    return jnp.asarray(np.stack(rows))
+
+
+def check(q, k, v, d_out, context, **kwargs):
+    def make(implementation, cast):
+        return jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
+            cast(q), cast(k), cast(v), implementation=implementation, **kwargs))
+    out, vjp = jax.vjp(make("cudnn", lambda x: x), q, k, v)
+    ours = (out, *vjp(d_out))
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out_ref, vjp_ref = jax.vjp(make("xla", up), q, k, v)
+    assert_close_to_reference(ours, (out_ref, *vjp_ref(up(d_out))), context=context)
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["causal", "full", "window", "gqa", "lengths", "padding",
+                                  "one_document", "short_documents", "value_head_dim"])
+def test_packed_rows_match_reference(case, dtype):
+    rng = np.random.default_rng(len(case))
+    b, t, n, kh, h = 2, 1024, 8, 8, 64
+    if case == "gqa":
+        kh = 2
+    ids = packed_ids(rng, b, t, low=64, high=400, padding=100 if case == "padding" else 0)
+    if case == "one_document":
+        ids = jnp.ones((b, t), jnp.int32)
+    if case == "short_documents":
+        ids = packed_ids(rng, b, t, low=1, high=9)
+    q, k, v, d_out = random_qkv(len(case), b, t, t, n, kh, h, dtype)
+    if case == "value_head_dim":
+        v = jax.random.normal(jax.random.key(1), (b, t, kh, 128)).astype(dtype)
+        d_out = jax.random.normal(jax.random.key(2), (b, t, n, 128)).astype(dtype)
+    kwargs = dict(query_segment_ids=ids, is_causal=case != "full", max_segments=256)
+    if case == "window":
+        kwargs["local_window_size"] = (100, 0)
+    if case == "lengths":
+        kwargs["query_seq_lengths"] = jnp.array([t, 700], jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.array([900, t], jnp.int32)
+    check(q, k, v, d_out, case, **kwargs)
+
+
+def test_every_packed_output_element_is_written():
+    """Self-attention packing without lengths covers every token: nothing is zero-filled
+    first, so NaN-poisoned outputs prove cuDNN wrote them all."""
+    rng = np.random.default_rng(3)
+    q, k, v, d_out = random_qkv(31, 2, 512, 512, 4, 4, 64, jnp.bfloat16)
+    ids = packed_ids(rng, 2, 512, low=30, high=200)
+    with debug.poison_outputs():
+        fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn",
+            return_residual=True))
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        grads = vjp((d_out, jnp.zeros_like(lse)))
+    for name, x in zip(("output", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+
+
+def test_packed_lse_and_deterministic_backward():
+    rng = np.random.default_rng(4)
+    q, k, v, d_out = random_qkv(32, 2, 768, 768, 4, 2, 128, jnp.bfloat16)
+    ids = packed_ids(rng, 2, 768, low=50, high=300)
+    _, lse = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                            implementation="cudnn", return_residual=True)
+    _, lse_ref = jax_sdpa.dot_product_attention(
+        *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True, query_segment_ids=ids,
+        implementation="xla", return_residual=True)
+    assert relative_error(lse, lse_ref) < 1e-3
+    runs = [check(q, k, v, d_out, "deterministic", query_segment_ids=ids, is_causal=True,
+                  deterministic=True) for _ in range(2)]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_packed_dropout_keeps_its_rate_and_its_mask():
+    """Dropout on the ragged layout: the same key gives the same bits, outputs average to the
+    undropped one over keys, and the backward drops what the forward dropped (checked against
+    the gradient of the output it produced, by a finite difference along a direction)."""
+    rng = np.random.default_rng(5)
+    q, k, v, _ = random_qkv(33, 1, 512, 512, 4, 4, 64, jnp.bfloat16)
+    ids = packed_ids(rng, 1, 512, low=60, high=200)
+    fn = jax.jit(lambda key: jax_sdpa.dot_product_attention(
+        q, k, v, is_causal=True, query_segment_ids=ids, dropout_rate=0.2, dropout_rng=key,
+        implementation="cudnn").astype(jnp.float32))
+    a, b = fn(jax.random.key(1)), fn(jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    many = jax.vmap(fn)(jax.random.split(jax.random.key(2), 128))
+    plain = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                           implementation="cudnn")
+    assert relative_error(many.mean(0), plain) < 0.08
+
+
+def test_non_contiguous_ids_take_the_exact_path():
+    """The same id in two separate runs, and more documents than slots: segment-id semantics
+    (checked on the device, computed by the exact fallback)."""
+    rng = np.random.default_rng(6)
+    q, k, v, d_out = random_qkv(34, 2, 512, 512, 4, 4, 64, jnp.bfloat16)
+    ids = np.asarray(packed_ids(rng, 2, 512, low=40, high=100))
+    ids[0, 300:350] = ids[0, 0]  # reuses the first document's id
+    check(q, k, v, d_out, "reused id", query_segment_ids=jnp.asarray(ids), is_causal=True)
+    check(q, k, v, d_out, "too many documents", query_segment_ids=jnp.asarray(ids),
+          is_causal=True, max_segments=2)
+
+
+def test_one_query_one_key_backward_takes_the_reference():
+    """cuDNN's backward refuses T = S = 1: the default call's backward runs the reference (with
+    a warning); implementation='cudnn' refuses up front."""
+    q, k, v, d_out = random_qkv(35, 8, 1, 1, 4, 4, 64, jnp.bfloat16)
+    jax_sdpa._warnings.reset()
+    with pytest.warns(RuntimeWarning, match="T = S = 1"):
+        fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v))
+        out, vjp = jax.vjp(fn, q, k, v)
+        grads = vjp(d_out)
+    ref_fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, implementation="xla"))
+    up = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    out_ref, vjp_ref = jax.vjp(ref_fn, *up[:3])
+    assert_close_to_reference((out, *grads), (out_ref, *vjp_ref(up[3])), context="T=S=1")
+    with pytest.raises(NotImplementedError, match="T = S = 1"):
+        jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
