@@ -25,6 +25,8 @@
   SEP X(bool, has_bias)                                                              \
   SEP X(bool, has_lengths)                                                           \
   SEP X(bool, ragged) /* packed documents: lengths per document, offsets */          \
+  SEP X(int64_t, max_document_q)  /* ragged: the longest document's queries; 0: T */  \
+  SEP X(int64_t, max_document_kv) /* and keys; 0: S */                                \
   SEP X(bool, bias_grad)                                                             \
   SEP X(bool, deterministic)                                                         \
   SEP X(float, dropout)                                                              \
@@ -232,6 +234,17 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
     c.batch = entries;
     c.total_q_tokens = folded_batch * c.q_seq_len;
     c.total_kv_tokens = folded_batch * c.kv_seq_len;
+    // A bound on the documents' lengths below the rows' sizes the kernels' grid to the
+    // documents rather than to the rows (Python guarantees every document fits).
+    if (options.max_document_q > c.q_seq_len || options.max_document_kv > c.kv_seq_len ||
+        options.max_document_q < 0 || options.max_document_kv < 0) {
+      return Failure{InvalidArgument("document length bounds " +
+                                     std::to_string(options.max_document_q) + ", " +
+                                     std::to_string(options.max_document_kv) +
+                                     " exceed the rows' lengths")};
+    }
+    if (options.max_document_q > 0) c.q_seq_len = options.max_document_q;
+    if (options.max_document_kv > 0) c.kv_seq_len = options.max_document_kv;
   } else {
     c.batch = folded_batch;
   }

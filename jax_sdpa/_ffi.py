@@ -165,13 +165,14 @@ def _optional_operands(inputs, ragged_operands, config):
     return operands
 
 
-def sdpa_forward(inputs, config, ragged_operands=None):
+def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
     """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
     inputs: the config's inputs by name (kernel_config.INPUTS); query, key, value in the
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
-    per document, offsets) from jax_sdpa.packing.ragged_operands.
+    per document, offsets) from jax_sdpa.packing.ragged_operands; max_document: (queries, keys)
+    no document is longer than (0: the rows' lengths).
     """
     _register_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -187,11 +188,13 @@ def sdpa_forward(inputs, config, ragged_operands=None):
     call = jax.ffi.ffi_call(_target("forward", config), result_types,
                             vmap_method="broadcast_all")
     operands = (query, key, value, *_optional_operands(inputs, ragged_operands, config))
-    attributes = config.ffi_attributes(ragged=ragged_operands is not None)
+    attributes = config.ffi_attributes(ragged=ragged_operands is not None,
+                                       max_document=max_document)
     return _varying_like(call(*operands, **attributes), operands)
 
 
-def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None):
+def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
+                  max_document=(0, 0)):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias."""
     _register_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -203,6 +206,7 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None)
                             vmap_method="broadcast_all")
     operands = (query, key, value, output, stats, d_output.astype(output.dtype),
                 *_optional_operands(inputs, ragged_operands, config))
-    attributes = config.ffi_attributes(ragged=ragged_operands is not None)
+    attributes = config.ffi_attributes(ragged=ragged_operands is not None,
+                                       max_document=max_document)
     results = _varying_like(call(*operands, **attributes), operands)
     return (*results[:3], results[3] if with_dbias else None)

@@ -78,9 +78,10 @@ class KernelConfig:
                    "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed}
         return tuple(name for name in INPUTS if present[name])
 
-    def ffi_attributes(self, *, ragged: bool = False) -> dict:
+    def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0)) -> dict:
         """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them).
-        ragged: the call runs packed documents (lengths per document, offsets)."""
+        ragged: the call runs packed documents (lengths per document, offsets); max_document:
+        (queries, keys) no document is longer than, 0 for the rows' lengths."""
         # Tokens of no document (past a length, or whose id the other side lacks) and rows past
         # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
         zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
@@ -88,6 +89,8 @@ class KernelConfig:
                     window_right=np.int64(self.window_right),
                     bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
                     has_lengths=bool(self.has_lengths or ragged), ragged=bool(ragged),
+                    max_document_q=np.int64(max_document[0]),
+                    max_document_kv=np.int64(max_document[1]),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
                     zero_outputs=bool(zero_outputs), debug=np.int64(self.debug),

@@ -6,11 +6,13 @@
 
 inputs: the config's arrays by name (kernel_config.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
-device, and a lax.cond runs cuDNN's ragged layout where the table can express the ids, else the
-exact blockwise reference (no [T, S] array in either branch).
+device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
+table can express the ids, else the exact blockwise reference (no [T, S] array anywhere).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +75,40 @@ def _mean_value(inputs):
     return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
 
 
+# The ragged kernels' grid covers every document slot up to the longest a document may be: a
+# bound nearer the documents' real lengths saves the empty tiles. Calls pick, on the device, the
+# smallest of these fractions of the row that holds every document (one graph each, built when
+# first used).
+_LENGTH_FRACTIONS = (8, 4, 2, 1)
+_SHORTEST_BOUND = 256
+
+
+def _length_bounds(q_seq_len, kv_seq_len):
+    """[(queries, keys)] bounds on document lengths, ascending; the last is the rows'."""
+    bounds = []
+    for fraction in _LENGTH_FRACTIONS:
+        bound = (-(-q_seq_len // fraction), -(-kv_seq_len // fraction))
+        if fraction == 1 or min(bound) >= _SHORTEST_BOUND:
+            if bound not in bounds:
+                bounds.append(bound)
+    return bounds
+
+
+def _branch(docs, bounds):
+    """Which lax.switch branch runs: the first length bound every document fits, or
+    len(bounds) (the exact fallback) when the table cannot express the ids."""
+    longest_q, longest_kv = jnp.max(docs.q_len), jnp.max(docs.kv_len)
+    fits = jnp.stack([(longest_q <= q) & (longest_kv <= kv) for q, kv in bounds])
+    return jnp.where(docs.ok, jnp.argmax(fits), len(bounds))
+
+
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
+    bounds = _length_bounds(inputs["query"].shape[1], inputs["key"].shape[1])
 
-    def ragged(inputs):
-        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(config, inputs, docs))
+    def ragged(bound, inputs):
+        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(config, inputs, docs),
+                                          max_document=bound)
         stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
         if _may_see_nothing(config):
             uniform = _uniform_rows(config, inputs, docs)
@@ -88,19 +119,22 @@ def _packed_forward(config, inputs):
 
     def exact(inputs):
         return reference_kernel.blockwise_forward(config, inputs)
-    return jax.lax.cond(docs.ok, ragged, exact, inputs)
+    branches = [functools.partial(ragged, bound) for bound in bounds] + [exact]
+    return jax.lax.switch(_branch(docs, bounds), branches, inputs)
 
 
 def _packed_backward(config, inputs, output, stats, d_output):
     docs = _documents(config, inputs)
+    bounds = _length_bounds(inputs["query"].shape[1], inputs["key"].shape[1])
 
-    def ragged(inputs, output, stats, d_output):
+    def ragged(bound, inputs, output, stats, d_output):
         uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
         cleared = d_output
         if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
             cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
         dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
-                                           config, _ragged_operands(config, inputs, docs))
+                                           config, _ragged_operands(config, inputs, docs),
+                                           max_document=bound)
         if uniform is not None:
             extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
             dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
@@ -109,7 +143,8 @@ def _packed_backward(config, inputs, output, stats, d_output):
     def exact(inputs, output, stats, d_output):
         return reference_kernel.backward(config, inputs, output, stats, d_output,
                                          reference_kernel.blockwise_forward)
-    return jax.lax.cond(docs.ok, ragged, exact, inputs, output, stats, d_output)
+    branches = [functools.partial(ragged, bound) for bound in bounds] + [exact]
+    return jax.lax.switch(_branch(docs, bounds), branches, inputs, output, stats, d_output)
 
 
 def _mean_value_gradient(inputs, d_output):

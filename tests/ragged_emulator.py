@@ -24,9 +24,12 @@ def _token_documents(starts, lengths, total):
     return jnp.where(jnp.any(inside, axis=0), jnp.argmax(inside, axis=0), -1)
 
 
-def _ragged_attention(query, key, value, config, ragged_operands):
+def _ragged_attention(query, key, value, config, ragged_operands, max_document):
     """(output [B, T, N, Hv] float32, stats [B, T, N], covered [B*T] bool)."""
     q_lengths, kv_lengths, offsets = ragged_operands
+    bound_q, bound_kv = max_document  # cuDNN would read past a document longer than these
+    too_long = (jnp.max(q_lengths) > (bound_q or query.shape[1])) | (
+        jnp.max(kv_lengths) > (bound_kv or key.shape[1]))
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, head_dim_v = value.shape
     documents = q_lengths.shape[0]
@@ -54,6 +57,7 @@ def _ragged_attention(query, key, value, config, ragged_operands):
     out = jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     stats = jnp.where(any_visible[0], jax.nn.logsumexp(safe, axis=-1).T, -1e30)
+    out = jnp.where(too_long, jnp.nan, out)  # a test fails if a bound was too small
     return (out.reshape(batch, q_seq_len, q_heads, head_dim_v), stats.reshape(
         batch, q_seq_len, q_heads), q_doc >= 0, kv_doc >= 0)
 
@@ -65,25 +69,28 @@ def _unwritten(x, covered, config):
     return jnp.where(covered.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x, fill)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None):
+def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
     if ragged_operands is None:
         return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands)
+    out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
+                                                 max_document)
     return (_unwritten(out, q_covered, config).astype(query.dtype),
             _unwritten(stats, q_covered, config))
 
 
-def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None):
+def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
+                  max_document=(0, 0)):
     if ragged_operands is None:
         return reference_kernel.backward(config, inputs, output, stats, d_output)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
 
     def primal(query, key, value):
-        return _ragged_attention(query, key, value, config, ragged_operands)[0]
+        return _ragged_attention(query, key, value, config, ragged_operands, max_document)[0]
     _, vjp = jax.vjp(primal, *(x.astype(jnp.float32) for x in (query, key, value)))
     dq, dk, dv = vjp(d_output.astype(jnp.float32))
-    _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands)
+    _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands,
+                                                    max_document)
     return (_unwritten(dq, q_covered, config).astype(query.dtype),
             _unwritten(dk, kv_covered, config).astype(key.dtype),
             _unwritten(dv, kv_covered, config).astype(value.dtype), None)

@@ -121,7 +121,7 @@ def test_non_contiguous_ids_take_the_exact_path():
     (checked on the device, computed by the exact fallback)."""
     rng = np.random.default_rng(6)
     q, k, v, d_out = random_qkv(34, 2, 512, 512, 4, 4, 64, jnp.bfloat16)
-    ids = np.asarray(packed_ids(rng, 2, 512, low=40, high=100))
+    ids = np.array(packed_ids(rng, 2, 512, low=40, high=100))
     ids[0, 300:350] = ids[0, 0]  # reuses the first document's id
     check(q, k, v, d_out, "reused id", query_segment_ids=jnp.asarray(ids), is_causal=True)
     check(q, k, v, d_out, "too many documents", query_segment_ids=jnp.asarray(ids),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, packing, planning
+from jax_sdpa import _ffi, kernels, packing, planning
 import ragged_emulator
 from conftest import relative_error
 
@@ -20,7 +20,9 @@ B, T, N, K, H = 2, 48, 4, 2, 32
 @pytest.fixture
 def emulated_cudnn(monkeypatch):
     """dot_product_attention(implementation="cudnn"): cuDNN on a GPU; elsewhere the emulated
-    ragged calls."""
+    ragged calls. Document length bounds down to 4 tokens, so that these short rows exercise
+    the choice among bounds (jax_sdpa/kernels.py) too."""
+    monkeypatch.setattr(kernels, "_SHORTEST_BOUND", 4)
     if planning.device_reason() is None:
         return
     monkeypatch.setattr(planning, "device_reason", lambda: None)
