@@ -2,7 +2,7 @@
 
     python -m benchmarks.attention [--config name:B,S,Nq,Nkv,H,bf16,causal ...] [--out DIR]
 
-Method (shared/DEVICE.md, the device tool's METHOD.md): every implementation runs inside one
+Method (docs/DEVELOPING.md): every implementation runs inside one
 jit as a straight line of CALLS independent calls on different inputs (no fori_loop, no cache
 reuse), warm-up excluded; rounds interleave the implementations; the figure is the median
 round's time per call. Forward and forward+backward are timed separately.

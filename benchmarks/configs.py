@@ -1,4 +1,5 @@
-"""The benchmark configurations: shared/ANCHORS.md's, so our figures line up with the peers'."""
+"""The benchmark configurations: the shapes the peers were measured at (docs/PERFORMANCE.md), so
+our figures line up with theirs."""
 
 import dataclasses
 

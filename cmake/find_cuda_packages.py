@@ -28,12 +28,15 @@ def main():
     cudnn_library = search(["nvidia/cudnn/lib/libcudnn.so.9"])
     frontend_header = search(["include/cudnn_frontend.h", "cudnn_frontend/include/cudnn_frontend.h"])
     # CUDA 13 wheels put everything under nvidia/cu13 (crt/ from nvidia-cuda-crt, nv/ from
-    # nvidia-cuda-cccl, possibly installed to different roots); CUDA 12 ones under
-    # nvidia/cuda_runtime. The toolkit fills in whatever the wheels lack.
+    # nvidia-cuda-cccl, possibly installed to different roots); CUDA 12 ones each under their own
+    # folder (nvidia-cuda-runtime-cu12, crt/ in nvidia-cuda-nvcc-cu12, nv/ in
+    # nvidia-cuda-cccl-cu12). The toolkit fills in whatever the wheels lack.
     toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     include_dirs = []
+    cuda12_folders = ("cuda_runtime", "cuda_nvcc", "cuda_cccl")
     for marker in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target"):
-        found = search([f"nvidia/cu13/include/{marker}", f"nvidia/cuda_runtime/include/{marker}"])
+        found = search([f"nvidia/cu13/include/{marker}"] +
+                       [f"nvidia/{folder}/include/{marker}" for folder in cuda12_folders])
         found = found or first_existing([os.path.join(toolkit, "include", marker)])
         directory = found[: -len(marker) - 1] if found else ""
         if not directory:

@@ -1,6 +1,6 @@
 """Probe (GPU): what cuDNN returns for query rows that see no key at all, next to the reference
 path (jax.nn's semantics: a uniform average of the values). Prints, does not assert: the
-answer decides what docs/SEMANTICS.md promises."""
+answer decides what the README promises for such rows."""
 
 import jax
 import jax.numpy as jnp

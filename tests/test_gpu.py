@@ -142,7 +142,7 @@ def test_cudnn_failure_is_an_exception_and_the_next_call_works():
 
 @pytest.mark.parametrize("order", ["backend_first", "extension_first"])
 def test_import_order_in_a_fresh_process(order):
-    """shared/DEVICE.md: a frontend extension once crashed when JAX's GPU backend came first."""
+    """docs/DEVELOPING.md: a frontend extension once crashed when JAX's GPU backend came first."""
     first = "jax.devices()" if order == "backend_first" else "from jax_sdpa import _sdpa_ffi"
     second = "from jax_sdpa import _sdpa_ffi" if order == "backend_first" else "jax.devices()"
     script = textwrap.dedent(f"""
