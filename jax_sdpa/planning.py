@@ -52,8 +52,8 @@ def device_reason() -> str | None:
         return f"no JAX devices ({error})"
     device = devices[0]
     if device.platform != "gpu" or "NVIDIA" not in device.device_kind.upper():
-        return (f"the default JAX device is {device.platform} ({device.device_kind}), not an NVIDIA "
-                "GPU: install jax[cuda13] (or jax[cuda12]) on a machine with an NVIDIA GPU")
+        return (f"the default JAX device is {device.platform} ({device.device_kind}), not an "
+                "NVIDIA GPU: install jax[cuda13] (or jax[cuda12]) on a machine with an NVIDIA GPU")
     capability = _device_capability()
     if capability is not None and capability < MIN_COMPUTE_CAPABILITY:
         return (f"{device.device_kind} has compute capability {capability[0]}.{capability[1]}; "

@@ -51,12 +51,12 @@ def _split(x, parts):
     return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
-def _block_config(kernel, scale, kind):
+def _block_config(implementation, scale, kind):
     return KernelConfig(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
-                        implementation=kernel, command_buffer=_ffi.command_buffers())
+                        implementation=implementation, command_buffer=_ffi.command_buffers())
 
 
-def _block_forward(kernel, scale, kind, q, k, v):
+def _block_forward(implementation, scale, kind, q, k, v):
     """(output float32 [B,t,N,H], lse float32 [B,N,t]) of one chunk pair; a skipped pair has
     lse -inf and output 0 (shaped from the inputs so they vary over the mesh as they do)."""
     if kind == _SKIP:
@@ -64,9 +64,10 @@ def _block_forward(kernel, scale, kind, q, k, v):
                                                                       jnp.float32)
         lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1)
         return out, lse
-    if kernel == "xla":  # float32 blocks
+    if implementation == "xla":  # float32 blocks
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = kernels.forward(_block_config(kernel, scale, kind), dict(query=q, key=k, value=v))
+    out, lse = kernels.forward(_block_config(implementation, scale, kind),
+                               dict(query=q, key=k, value=v))
     return out.astype(jnp.float32), lse
 
 
@@ -92,21 +93,22 @@ def _reference_block_backward(scale, kind, q, k, v, out, lse, d_out):
     return dq, fold(dk), fold(dv)
 
 
-def _block_backward(kernel, scale, kind, q, k, v, out, lse, d_out):
+def _block_backward(implementation, scale, kind, q, k, v, out, lse, d_out):
     """One chunk pair's exact share of (dq, dk, dv), float32, given the global out and lse."""
     if kind == _SKIP:
         return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
                 jnp.zeros_like(v, jnp.float32))
-    if kernel == "xla":
+    if implementation == "xla":
         return _reference_block_backward(scale, kind, q, k, v, out, lse, d_out)
-    dq, dk, dv, _ = kernels.backward(_block_config(kernel, scale, kind),
+    dq, dk, dv, _ = kernels.backward(_block_config(implementation, scale, kind),
                                      dict(query=q, key=k, value=v), out.astype(q.dtype), lse,
                                      d_out.astype(q.dtype))
     return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
 
 
-def _switch(kind, kernel, scale, block_fn, *args):
-    branches = [functools.partial(block_fn, kernel, scale, k) for k in (_FULL, _DIAGONAL, _SKIP)]
+def _switch(kind, implementation, scale, block_fn, *args):
+    branches = [functools.partial(block_fn, implementation, scale, k)
+                for k in (_FULL, _DIAGONAL, _SKIP)]
     return lax.switch(kind, branches, *args)
 
 
@@ -125,7 +127,7 @@ def _merge(out, lse, block_out, block_lse):
     return out * weight(lse) + block_out * weight(block_lse), merged
 
 
-def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel):
+def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
     q_chunks = _split(q, parts)
@@ -139,7 +141,7 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel):
         for i, (q_chunk, q_index) in enumerate(zip(q_chunks, _chunks(layout, me, size))):
             for k_chunk, v_chunk, k_index in zip(_split(kb, parts), _split(vb, parts),
                                                   _chunks(layout, source, size)):
-                block = _switch(_kind(q_index, k_index, is_causal), kernel, scale,
+                block = _switch(_kind(q_index, k_index, is_causal), implementation, scale,
                                 _block_forward, q_chunk, k_chunk, v_chunk)
                 outs[i], lses[i] = _merge(outs[i], lses[i], *block)
         if following is not None:
@@ -147,7 +149,8 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
 
-def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout, kernel):
+def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout,
+                        implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
     q_chunks, out_chunks, d_out_chunks = (_split(x, parts) for x in (q, out, d_out))
@@ -164,7 +167,7 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, l
                 _split(kb, parts), _split(vb, parts), _chunks(layout, source, size))):
             for i, q_index in enumerate(_chunks(layout, me, size)):
                 block_dq, block_dk, block_dv = _switch(
-                    _kind(q_index, k_index, is_causal), kernel, scale, _block_backward,
+                    _kind(q_index, k_index, is_causal), implementation, scale, _block_backward,
                     q_chunks[i], k_chunk, v_chunk, out_chunks[i], lse_chunks[i],
                     d_out_chunks[i])
                 dq[i] = dq[i] + block_dq
@@ -179,21 +182,21 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, l
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, is_causal, scale, layout, kernel):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel)
+def _ring(q, k, v, axis_name, is_causal, scale, layout, implementation):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, axis_name, is_causal, scale, layout, kernel):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, kernel)
+def _ring_fwd(q, k, v, axis_name, is_causal, scale, layout, implementation):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation)
     return (out.astype(q.dtype), lse), (q, k, v, out, lse)
 
 
-def _ring_bwd(axis_name, is_causal, scale, layout, kernel, residuals, cotangents):
+def _ring_bwd(axis_name, is_causal, scale, layout, implementation, residuals, cotangents):
     q, k, v, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
     dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale,
-                                     layout, kernel)
+                                     layout, implementation)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -208,7 +211,7 @@ def _mesh_platform(x):
     return getattr(device, "platform", None)
 
 
-def _kernel(query, key, value, implementation, parts):
+def _implementation(query, key, value, requested, parts):
     """"cudnn" where the block attention (forward and backward) can run there, else "xla":
     decided, warned about or refused as dot_product_attention decides (jax_sdpa/planning.py)."""
     reason = planning.device_reason()
@@ -219,7 +222,7 @@ def _kernel(query, key, value, implementation, parts):
                                                             ("value head_dim", value.shape[-1])))
     reason = reason or planning.backward_reason(query.shape[1] // parts, key.shape[1] // parts,
                                                 query.shape[-1], value.shape[-1])
-    return "cudnn" if planning.use_cudnn(reason, implementation, "this ring attention") else "xla"
+    return "cudnn" if planning.use_cudnn(reason, requested, "this ring attention") else "xla"
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
@@ -249,8 +252,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    kernel = _kernel(query, key, value, implementation, len(_chunks(layout, 0, 1)))
-    out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout, kernel)
+    implementation = _implementation(query, key, value, implementation,
+                                     len(_chunks(layout, 0, 1)))
+    out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout,
+                     implementation)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)
     return out

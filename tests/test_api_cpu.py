@@ -142,3 +142,15 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
         text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     targets = jax_sdpa._ffi.target_names()
     assert targets["forward"] in text and targets["backward"] not in text
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3"])
+def test_a_bad_graph_cache_size_is_named_when_the_extension_loads(value):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    script = "from jax_sdpa import _ffi\n_ffi.extension()"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**__import__("os").environ, "JAX_SDPA_GRAPH_CACHE_SIZE": value},
+                            timeout=120)
+    assert result.returncode != 0
+    assert "ValueError: JAX_SDPA_GRAPH_CACHE_SIZE must be a whole number >= 1" in result.stderr
