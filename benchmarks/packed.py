@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
+from benchmarks.report import write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
 
 N_HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
@@ -273,10 +274,7 @@ def main(argv=None):
         dense_probe = PackedConfig("dense-probe-32k", 1, 32768, ((4096,) * 8,))
         memory[dense_probe.name] = temp_memory(dense_probe, ("ragged", "dense ids"))
     table = markdown(rows, memory)
-    with open(os.path.join(args.out, "packed.md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    print(header)
-    print(table)
+    write_markdown(args.out, "packed.md", header, table)
 
 
 if __name__ == "__main__":

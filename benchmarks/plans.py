@@ -26,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.report import write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
@@ -149,10 +150,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "plans.json"), "w") as f:
             json.dump(dict(header=header, calls_per_round=CALLS, results=results), f, indent=1)
     table = markdown(results)
-    with open(os.path.join(args.out, "plans.md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    print(header)
-    print(table)
+    write_markdown(args.out, "plans.md", header, table)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,14 @@ def chart(rows, header, path):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def write_markdown(directory, filename, header, table):
+    """Writes header and table to directory/filename and prints them (a device call's output
+    keeps only its end: the table comes last)."""
+    import os  # noqa: PLC0415
+
+    with open(os.path.join(directory, filename), "w") as f:
+        f.write(header + "\n\n" + table + "\n")
+    print(header)
+    print(table)

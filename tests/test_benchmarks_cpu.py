@@ -2,6 +2,7 @@
 table reports (benchmarks/plans.py), and config parsing (benchmarks/configs.py)."""
 
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import plans
 from benchmarks.configs import parse_config
@@ -56,3 +57,27 @@ def test_rounds_interleave_every_function():
     assert calls == [("a", "aa"), ("b", "bb")] * 3
     assert {key: len(times) for key, times in samples.items()} == {"a": 3, "b": 3}
     assert all(t >= 0 for times in samples.values() for t in times)
+
+
+def test_packed_configs_fill_their_rows_and_count_useful_flops():
+    from benchmarks import packed  # noqa: PLC0415
+    for config in packed.configs():
+        assert all(sum(row) == config.seq for row in config.lengths), config.name
+        ids = config.segment_ids()
+        assert ids.shape == (config.batch, config.seq)
+        # one run per document, ids 1..n in order
+        assert all(len(np.unique(row)) == len(lengths)
+                   for row, lengths in zip(ids, config.lengths))
+    eight = packed.configs()[0]
+    assert eight.flops("fwd") == 4 * 8 * 2.0 * 16 * 128 * 1024 ** 2
+    assert eight.flops("fwd+bwd") == 3.5 * eight.flops("fwd")
+
+
+def test_packed_markdown_has_a_row_per_result():
+    from benchmarks import packed  # noqa: PLC0415
+    rows = [dict(config="8x1024", impl=name, mode="fwd", ms=ms, tflops=1.0, compile_s=0.1,
+                 first_run_s=0.1, error_vs_bound=0.0, vs_bound=ms / 2.0,
+                 vs_flash_varlen=None) for name, ms in (("ragged", 1.0), ("bound", 2.0))]
+    table = packed.markdown(rows, {"long": {"ragged": 0.3}})
+    assert "| 8x1024 | fwd | ragged | 1.000 | 1 | 0.500 | – |" in table
+    assert "| long | ragged | 0.300 |" in table
