@@ -9,12 +9,23 @@ from flax import nnx
 
 import jax_sdpa
 
+def _jax_nn(implementation):
+    """jax.nn's attention; packed documents become its dense [B, 1, T, T] mask."""
+    def attention(q, k, v, segment_ids=None):
+        mask = (None if segment_ids is None else
+                segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            implementation=implementation)
+    return attention
+
+
+# f(q, k, v, segment_ids=None): causal self-attention, within documents when segment_ids
+# (int32 [B, T]) say which document each token is in.
 ATTENTION = {
-    "jax_sdpa": lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v, is_causal=True),
-    "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                        implementation="xla"),
-    "jax-cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                              implementation="cudnn"),
+    "jax_sdpa": lambda q, k, v, segment_ids=None: jax_sdpa.dot_product_attention(
+        q, k, v, is_causal=True, query_segment_ids=segment_ids),
+    "xla": _jax_nn("xla"),
+    "jax-cudnn": _jax_nn("cudnn"),
 }
 
 
@@ -37,12 +48,13 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = nnx.Linear(config.d_model, 3 * config.d_model, dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(config.d_model, config.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
         batch, seq, features = x.shape
         # Head-major columns ([head, q/k/v, dim]): a tensor-parallel split of the qkv columns
         # over devices is then a split over heads (examples/sharded_training.py).
         qkv = self.qkv(x).reshape(batch, seq, self.n_head, 3, features // self.n_head)
-        y = ATTENTION[self.attention](qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
+        y = ATTENTION[self.attention](qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
+                                      segment_ids)
         return self.proj(y.reshape(batch, seq, features))
 
 
@@ -55,8 +67,8 @@ class Block(nnx.Module):
         self.fc = nnx.Linear(config.d_model, 4 * config.d_model, dtype=dtype, rngs=rngs)
         self.out = nnx.Linear(4 * config.d_model, config.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
+    def __call__(self, x, segment_ids=None):
+        x = x + self.attn(self.ln1(x), segment_ids)
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
@@ -71,11 +83,12 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens, positions=None):
-        """positions: each token's position (default 0..T-1; a permuted sequence, as the
-        zigzag ring layout makes, passes its own)."""
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """positions: each token's position, [T] or [B, T] (default 0..T-1; a permuted
+        sequence, as the zigzag ring layout makes, or packed documents pass their own).
+        segment_ids: int32 [B, T], packed documents: tokens attend within their own."""
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.token_embed(tokens) + self.position_embed(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, segment_ids)
         return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32)  # tied output layer

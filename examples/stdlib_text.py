@@ -38,3 +38,69 @@ def random_batch(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Gene
     starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
     windows = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
+
+
+def load_stdlib_documents(max_bytes: int) -> list:
+    """The same source, one document (uint8 array) per file, for packed training."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    documents, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if len(data) > 1:
+            documents.append(np.frombuffer(data, dtype=np.uint8))
+            total += len(data)
+        if total >= max_bytes:
+            break
+    if total < 100_000:
+        raise RuntimeError(f"found only {total} bytes of Python source under {root}")
+    return documents
+
+
+class DocumentStream:
+    """Documents back to back, with each token's document index and its document's start, so
+    that any window of the stream is a packed row: documents cut at the row's edges carry over
+    into the next window, each one's positions restart at its first token in the row."""
+
+    def __init__(self, documents):
+        self.documents = documents
+        self.tokens = np.concatenate(documents)
+        lengths = np.array([len(d) for d in documents])
+        self.document = np.repeat(np.arange(len(documents), dtype=np.int32), lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        self.start = np.repeat(starts, lengths)
+
+    def packed_batch(self, batch: int, seq_len: int, rng: np.random.Generator):
+        """Rows of seq_len tokens from random offsets: dict of int32 [batch, seq_len] arrays
+        tokens, targets (next byte), weights (1 where the target is in the token's document),
+        segment_ids (the document; the row's tokens attend within it) and positions (within
+        the document's run in the row)."""
+        offsets = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch)
+        index = offsets[:, None] + np.arange(seq_len + 1)[None, :]
+        document = self.document[index]
+        positions = index[:, :-1] - np.maximum(self.start[index[:, :-1]], offsets[:, None])
+        return dict(tokens=self.tokens[index[:, :-1]].astype(np.int32),
+                    targets=self.tokens[index[:, 1:]].astype(np.int32),
+                    weights=(document[:, 1:] == document[:, :-1]).astype(np.float32),
+                    segment_ids=document[:, :-1], positions=positions.astype(np.int32))
+
+    def padded_batch(self, batch: int, seq_len: int, rng: np.random.Generator):
+        """One document per row from its first token, cut at seq_len + 1 tokens and padded:
+        the same dict, padding as segment id -1 with weight 0."""
+        rows = {name: np.zeros((batch, seq_len), np.int32)
+                for name in ("tokens", "targets", "positions")}
+        rows["segment_ids"] = np.full((batch, seq_len), -1, np.int32)
+        rows["weights"] = np.zeros((batch, seq_len), np.float32)
+        for row, choice in enumerate(rng.integers(0, len(self.documents), size=batch)):
+            document = self.documents[choice][:seq_len + 1]
+            n = len(document) - 1
+            rows["tokens"][row, :n] = document[:-1]
+            rows["targets"][row, :n] = document[1:]
+            rows["positions"][row, :n] = np.arange(n)
+            rows["segment_ids"][row, :n] = 0
+            rows["weights"][row, :n] = 1.0
+        return rows

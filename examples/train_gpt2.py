@@ -3,6 +3,13 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
 
     python examples/train_gpt2.py                      # small model on CPU, GPT-2 small on a GPU
     python examples/train_gpt2.py --attention xla --steps 200
+    python examples/train_gpt2.py --pack               # rows packed with whole source files
+    python examples/train_gpt2.py --rows padded        # one file per row, padded: to compare
+
+Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
+windows too, but each file is a document of its own (segment ids: tokens attend within their
+file, positions restart at its first token, no loss across a file boundary); "padded" rows hold
+one file each from its start, padded. tokens/s counts the tokens that carry a loss.
 
 Writes <out-dir>/log.json (config, losses, tokens/s) and <out-dir>/loss.png.
 """
@@ -23,7 +30,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt2_model import ATTENTION, GPT, GPTConfig  # noqa: E402
-from stdlib_text import load_stdlib_bytes, random_batch, train_validation_split  # noqa: E402
+from stdlib_text import (DocumentStream, load_stdlib_bytes, load_stdlib_documents,  # noqa: E402
+                         random_batch, train_validation_split)
 
 # Presets: "cpu" finishes in a few minutes on 2 cores; "gpt2" is GPT-2 small (124M parameters).
 PRESETS = {
@@ -45,6 +53,10 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", choices=["windows", "packed", "padded"], default="windows",
+                        help="how rows are cut from the corpus (see the module docstring)")
+    parser.add_argument("--pack", dest="rows", action="store_const", const="packed",
+                        help="the same as --rows packed")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
     preset = args.preset or ("gpt2" if jax.default_backend() == "gpu" else "cpu")
@@ -57,18 +69,54 @@ def parse_args(argv=None):
 
 def make_train_step(graphdef, optimizer, positions=None):
     """(jitted train step, jitted loss); positions: the tokens' positions when the sequence is
-    permuted (examples/sharded_training.py's zigzag layout), else 0..T-1."""
-    def loss_fn(params, x, y):
-        logits = nnx.merge(graphdef, params)(x, positions)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    permuted (examples/sharded_training.py's zigzag layout), else 0..T-1. Both take (params,
+    [opt_state,] x, y, rows=None); rows: packed or padded rows' weights, segment_ids and
+    positions (stdlib_text.DocumentStream)."""
+    def loss_fn(params, x, y, rows=None):
+        rows = rows or {}
+        logits = nnx.merge(graphdef, params)(x, rows.get("positions", positions),
+                                             rows.get("segment_ids"))
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        if "weights" not in rows:
+            return losses.mean()
+        return (losses * rows["weights"]).sum() / rows["weights"].sum()
 
     @jax.jit
-    def train_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    def train_step(params, opt_state, x, y, rows=None):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, rows)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     return train_step, jax.jit(loss_fn)
+
+
+def batches(args, rng):
+    """(training batch source, validation batches): each batch (x, y, rows or None, tokens
+    that carry a loss)."""
+    if args.rows == "windows":
+        train_data, val_data = train_validation_split(load_stdlib_bytes(args.data_mb * 2**20))
+        val_rng = np.random.default_rng(args.seed + 1)
+        validation = [(*random_batch(val_data, args.batch, args.seq_len, val_rng), None)
+                      for _ in range(4)]
+
+        def train():
+            x, y = random_batch(train_data, args.batch, args.seq_len, rng)
+            return x, y, None, x.size
+        return train, validation, len(train_data)
+    documents = load_stdlib_documents(args.data_mb * 2**20)
+    cut = int(len(documents) * 0.9)
+    train_stream, val_stream = DocumentStream(documents[:cut]), DocumentStream(documents[cut:])
+    cut_rows = (DocumentStream.packed_batch if args.rows == "packed" else
+                DocumentStream.padded_batch)
+
+    def as_batch(rows):
+        x, y = rows.pop("tokens"), rows.pop("targets")
+        return x, y, rows, int(rows["weights"].sum())
+    val_rng = np.random.default_rng(args.seed + 1)
+    validation = [as_batch(cut_rows(val_stream, args.batch, args.seq_len, val_rng))[:3]
+                  for _ in range(4)]
+    return (lambda: as_batch(cut_rows(train_stream, args.batch, args.seq_len, rng)),
+            validation, len(train_stream.tokens))
 
 
 def save_plot(path, history, validation, title):
@@ -94,7 +142,8 @@ def main(argv=None):
     warnings.filterwarnings("once", category=RuntimeWarning, module="jax_sdpa")
     out_dir = pathlib.Path(args.out_dir or f"runs/gpt2-{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_data, val_data = train_validation_split(load_stdlib_bytes(args.data_mb * 2**20))
+    rng = np.random.default_rng(args.seed)
+    next_batch, val_batches, train_bytes = batches(args, rng)
     config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                        d_model=args.d_model, dtype=args.dtype, attention=args.attention)
     model = GPT(config, nnx.Rngs(args.seed))
@@ -108,30 +157,29 @@ def main(argv=None):
     train_step, eval_loss = make_train_step(graphdef, optimizer)
     device = jax.devices()[0]
     print(f"{args.preset} preset on {device.device_kind}: {n_params / 1e6:.2f}M parameters, "
-          f"attention={args.attention}, {len(train_data) / 1e6:.1f} MB of training bytes")
+          f"attention={args.attention}, rows={args.rows}, {train_bytes / 1e6:.1f} MB of "
+          "training bytes")
 
-    rng = np.random.default_rng(args.seed)
-    val_rng = np.random.default_rng(args.seed + 1)
-    val_batches = [random_batch(val_data, args.batch, args.seq_len, val_rng) for _ in range(4)]
-    tokens_per_step = args.batch * args.seq_len
-    history, validation, timed = [], [], []
+    history, validation, timed = [], [], []  # timed: (seconds, tokens with a loss) per step
     bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True)
     for step in bar:
-        x, y = random_batch(train_data, args.batch, args.seq_len, rng)
+        x, y, rows, tokens = next_batch()
         start = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, x, y)
+        params, opt_state, loss = train_step(params, opt_state, x, y, rows)
         loss = float(loss)  # waits for the step: the timing below is the step's own
         seconds = time.perf_counter() - start
         if step > 2:  # the first steps compile
-            timed.append(seconds)
+            timed.append((seconds, tokens))
         history.append(dict(step=step, loss=loss))
-        tokens_per_s = tokens_per_step / np.median(timed) if timed else float("nan")
+        tokens_per_s = (sum(t for _, t in timed) / sum(s for s, _ in timed) if timed
+                        else float("nan"))
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if step % args.eval_every == 0 or step == args.steps:
-            val_loss = float(np.mean([eval_loss(params, vx, vy) for vx, vy in val_batches]))
+            val_loss = float(np.mean([eval_loss(params, vx, vy, vrows)
+                                      for vx, vy, vrows in val_batches]))
             validation.append(dict(step=step, loss=val_loss))
             bar.write(f"step {step}: train {loss:.3f}, validation {val_loss:.3f}")
-    tokens_per_s = tokens_per_step / float(np.median(timed)) if timed else None
+    tokens_per_s = (sum(t for _, t in timed) / sum(s for s, _ in timed)) if timed else None
     log = dict(args=vars(args), parameters=int(n_params), device=device.device_kind,
                jax=jax.__version__, tokens_per_s=tokens_per_s, train=history,
                validation=validation)
