@@ -30,7 +30,11 @@ def forward(config, inputs):
 
 
 def backward(config, inputs, output, stats, d_output):
-    if config.backward_kernel == "xla":
+    if config.implementation == "xla":
+        return reference_kernel.backward(config, inputs, output, stats, d_output)
+    if config.backward_kernel == "xla":  # a cuDNN forward whose backward cuDNN cannot run
+        # (planning sends calls with dropout wholly to the reference: a recomputed forward
+        # would not drop what cuDNN dropped)
         forward_fn = (reference_kernel.blockwise_forward if config.segments else
                       reference_kernel.forward)
         return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)

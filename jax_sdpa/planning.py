@@ -199,14 +199,18 @@ def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
 def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan | None:
     """The cuDNN plan of a validated call, or None for the reference path (after the one-time
     warning, or NotImplementedError with implementation="cudnn")."""
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = device_reason() or call_reason(call)
+    backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v)
+    if backward is not None and call.dropout_rate > 0.0:
+        # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
+        reason = f"{backward}, and with dropout the forward must run where the backward does"
     if not use_cudnn(reason, implementation):
         return None
     band, _ = diagonal_band(call)
-    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
-    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     backward_kernel = None
-    reason = backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v)
+    reason = backward
     if reason is not None:
         if implementation == "cudnn":
             raise NotImplementedError(f"implementation='cudnn' cannot run this call's "
