@@ -67,7 +67,9 @@ def parameter_sharding(mesh, path, leaf):
     return NamedSharding(mesh, spec if len(spec) in (0, leaf.ndim) else P())
 
 
-def ring_attention_over(mesh, q, k, v):
+def ring_attention_over(mesh, q, k, v, segment_ids=None):
+    if segment_ids is not None:
+        raise NotImplementedError("the ring example trains on unpacked rows")
     spec = P(None, "seq")
     return jax.shard_map(
         functools.partial(ring_attention, axis_name="seq", is_causal=True, layout="zigzag"),
