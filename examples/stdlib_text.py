@@ -7,10 +7,11 @@ import sysconfig
 import numpy as np
 
 
-def load_stdlib_bytes(max_bytes: int) -> np.ndarray:
-    """Up to max_bytes of the standard library's .py files, in a fixed (sorted) order."""
+def _stdlib_sources(max_bytes: int):
+    """The standard library's .py files as bytes, in a fixed (sorted) order, until max_bytes
+    have been read."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
+    total = 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
             continue
@@ -18,13 +19,22 @@ def load_stdlib_bytes(max_bytes: int) -> np.ndarray:
             data = path.read_bytes()
         except OSError:
             continue
-        chunks.append(data)
+        yield data
         total += len(data)
         if total >= max_bytes:
-            break
-    text = b"\n".join(chunks)[:max_bytes]
-    if len(text) < 100_000:
-        raise RuntimeError(f"found only {len(text)} bytes of Python source under {root}")
+            return
+
+
+def _check_enough(total: int) -> None:
+    if total < 100_000:
+        root = sysconfig.get_paths()["stdlib"]
+        raise RuntimeError(f"found only {total} bytes of Python source under {root}")
+
+
+def load_stdlib_bytes(max_bytes: int) -> np.ndarray:
+    """Up to max_bytes of the standard library's .py files, in a fixed (sorted) order."""
+    text = b"\n".join(_stdlib_sources(max_bytes))[:max_bytes]
+    _check_enough(len(text))
     return np.frombuffer(text, dtype=np.uint8)
 
 
@@ -42,22 +52,9 @@ def random_batch(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Gene
 
 def load_stdlib_documents(max_bytes: int) -> list:
     """The same source, one document (uint8 array) per file, for packed training."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    documents, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        if len(data) > 1:
-            documents.append(np.frombuffer(data, dtype=np.uint8))
-            total += len(data)
-        if total >= max_bytes:
-            break
-    if total < 100_000:
-        raise RuntimeError(f"found only {total} bytes of Python source under {root}")
+    documents = [np.frombuffer(data, dtype=np.uint8) for data in _stdlib_sources(max_bytes)
+                 if len(data) > 1]
+    _check_enough(sum(len(d) for d in documents))
     return documents
 
 
