@@ -6,7 +6,6 @@ reference path gives.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp

@@ -210,21 +210,20 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         return None
     band, _ = diagonal_band(call)
     backward_kernel = None
-    reason = backward
-    if reason is not None:
+    if backward is not None:
         if implementation == "cudnn":
             raise NotImplementedError(f"implementation='cudnn' cannot run this call's "
-                                      f"backward: {reason}")
+                                      f"backward: {backward}")
         warn_once(f"jax_sdpa: the backward of this call takes the XLA reference path because "
-                  f"{reason}", stacklevel=2)
+                  f"{backward}", stacklevel=2)
         backward_kernel = "xla"
     segments, dense_segments = "", False
     if call.query_segment_ids is not None:
-        reason = ragged_reason(call)
-        if reason is None:
+        dense_reason = ragged_reason(call)
+        if dense_reason is None:
             segments = "self" if call.kv_segment_ids is None else "cross"
         else:
-            warn_once(f"jax_sdpa: segment ids take the dense path because {reason}",
+            warn_once(f"jax_sdpa: segment ids take the dense path because {dense_reason}",
                       stacklevel=2)
             dense_segments = True
     config = KernelConfig(
