@@ -50,10 +50,10 @@ def _documents(config, inputs):
         kv_lengths=inputs.get("kv_lengths"), aligned=config.banded)
 
 
-def _ragged_operands(config, inputs, docs):
+def _ragged_operands(inputs, docs, entries):
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     return packing.ragged_operands(docs, query.shape[2], key.shape[2], query.shape[3],
-                                   value.shape[3], key.shape[1])
+                                   value.shape[3], key.shape[1], entries)
 
 
 def _may_see_nothing(config) -> bool:
@@ -79,39 +79,50 @@ def _mean_value(inputs):
     return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
 
 
-# The ragged kernels' grid covers every document slot up to the longest a document may be: a
-# bound nearer the documents' real lengths saves the empty tiles. Calls pick, on the device, the
-# smallest of these fractions of the row that holds every document (one graph each, built when
-# first used).
+# The ragged kernels' grid covers every cuDNN batch entry up to the longest a document may be:
+# empty entries and tiles past a document's end still cost a launch slot each (M = 64 entries
+# per row against 8 cost 8% at 8 documents of 1024). Calls pick, on the device, the cheapest
+# plan their documents fit: entries (a fraction of every slot, documents compacted to the front)
+# times a length bound (a fraction of the row). One graph each, built when first used.
 _LENGTH_FRACTIONS = (8, 4, 2, 1)
 _SHORTEST_BOUND = 256
+_ENTRY_FRACTIONS = (32, 8, 1)  # of batch * max_segments, at least `batch`
 
 
-def _length_bounds(q_seq_len, kv_seq_len):
-    """[(queries, keys)] bounds on document lengths, ascending; the last is the rows'."""
+def _plans(batch, max_segments, q_seq_len, kv_seq_len):
+    """[(entries, (queries, keys))], cheapest grid first; the last covers every case."""
     bounds = []
     for fraction in _LENGTH_FRACTIONS:
         bound = (-(-q_seq_len // fraction), -(-kv_seq_len // fraction))
-        if fraction == 1 or min(bound) >= _SHORTEST_BOUND:
-            if bound not in bounds:
-                bounds.append(bound)
-    return bounds
+        if (fraction == 1 or min(bound) >= _SHORTEST_BOUND) and bound not in bounds:
+            bounds.append(bound)
+    entries = sorted({max(batch, batch * max_segments // f) for f in _ENTRY_FRACTIONS})
+    plans = [(n, bound) for n in entries for bound in bounds]
+    return sorted(plans, key=lambda plan: (plan[0] * plan[1][0], plan[0]))
 
 
-def _branch(docs, bounds):
-    """Which lax.switch branch runs: the first length bound every document fits, or
-    len(bounds) (the exact fallback) when the table cannot express the ids."""
+def _branch(docs, plans):
+    """Which lax.switch branch runs: the first plan every document fits, or len(plans) (the
+    exact fallback) when the table cannot express the ids."""
+    count = packing.count_documents(docs)
     longest_q, longest_kv = jnp.max(docs.q_len), jnp.max(docs.kv_len)
-    fits = jnp.stack([(longest_q <= q) & (longest_kv <= kv) for q, kv in bounds])
-    return jnp.where(docs.ok, jnp.argmax(fits), len(bounds))
+    fits = jnp.stack([(count <= n) & (longest_q <= q) & (longest_kv <= kv)
+                      for n, (q, kv) in plans])
+    return jnp.where(docs.ok, jnp.argmax(fits), len(plans))
+
+
+def _packed_plans(inputs, config):
+    query, key = inputs["query"], inputs["key"]
+    return _plans(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
-    bounds = _length_bounds(inputs["query"].shape[1], inputs["key"].shape[1])
+    plans = _packed_plans(inputs, config)
 
-    def ragged(bound, inputs):
-        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(config, inputs, docs),
+    def ragged(plan, inputs):
+        entries, bound = plan
+        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
                                           max_document=bound)
         stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
         if _may_see_nothing(config):
@@ -123,21 +134,22 @@ def _packed_forward(config, inputs):
 
     def exact(inputs):
         return reference_kernel.blockwise_forward(config, inputs)
-    branches = [functools.partial(ragged, bound) for bound in bounds] + [exact]
-    return jax.lax.switch(_branch(docs, bounds), branches, inputs)
+    branches = [functools.partial(ragged, plan) for plan in plans] + [exact]
+    return jax.lax.switch(_branch(docs, plans), branches, inputs)
 
 
 def _packed_backward(config, inputs, output, stats, d_output):
     docs = _documents(config, inputs)
-    bounds = _length_bounds(inputs["query"].shape[1], inputs["key"].shape[1])
+    plans = _packed_plans(inputs, config)
 
-    def ragged(bound, inputs, output, stats, d_output):
+    def ragged(plan, inputs, output, stats, d_output):
+        entries, bound = plan
         uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
         cleared = d_output
         if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
             cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
         dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
-                                           config, _ragged_operands(config, inputs, docs),
+                                           config, _ragged_operands(inputs, docs, entries),
                                            max_document=bound)
         if uniform is not None:
             extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
@@ -147,8 +159,8 @@ def _packed_backward(config, inputs, output, stats, d_output):
     def exact(inputs, output, stats, d_output):
         return reference_kernel.backward(config, inputs, output, stats, d_output,
                                          reference_kernel.blockwise_forward)
-    branches = [functools.partial(ragged, bound) for bound in bounds] + [exact]
-    return jax.lax.switch(_branch(docs, bounds), branches, inputs, output, stats, d_output)
+    branches = [functools.partial(ragged, plan) for plan in plans] + [exact]
+    return jax.lax.switch(_branch(docs, plans), branches, inputs, output, stats, d_output)
 
 
 def _mean_value_gradient(inputs, d_output):

@@ -126,24 +126,42 @@ def rows_seeing_nothing(docs: Documents, window_left=-1, window_right=-1, q_leng
     return inside & (high <= low)
 
 
-def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv_seq_len):
-    """(q_lengths, kv_lengths int32 [B*M], offsets int32 [5, R]) for the ragged FFI call: each
-    document's element offsets in q, k, v, o and the token-major stats, rows padded to a
-    multiple of 4 entries (16-byte aligned pointers per row)."""
+def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv_seq_len,
+                    entries=None):
+    """(q_lengths, kv_lengths int32 [entries], offsets int32 [5, R]) for the ragged FFI call.
+
+    The documents of every row that have queries are compacted, in order, into the first of
+    `entries` cuDNN batch entries (default: every slot, B * M); the rest have length 0. Each
+    entry's element offsets into q, k, v, o and the token-major stats; rows padded to a
+    multiple of 4 entries (16-byte aligned pointers per row). The caller makes sure the
+    documents fit (count_documents(docs) <= entries): fewer entries mean fewer empty tiles in
+    cuDNN's grid."""
     batch, max_segments = docs.q_start.shape
     q_seq_len = docs.q_slot.shape[1]
+    entries = batch * max_segments if entries is None else entries
     rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
-    q_tokens = (rows * q_seq_len + docs.q_start).reshape(-1)
-    kv_tokens = (rows * kv_seq_len + docs.kv_start).reshape(-1)
-    # (jnp.full, not jnp.array: a kernel under custom_partitioning may hold no constants.)
+    real = (docs.q_len > 0).reshape(-1)
+    # A document without queries adds nothing: its keys' gradients are the zero fill.
+    place = jnp.where(real, jnp.cumsum(real, dtype=jnp.int32) - 1, entries)
+
+    def compact(values, fill):
+        # (jnp.full, not jnp.array: a kernel under custom_partitioning may hold no constants.)
+        return jnp.full((entries,), fill, jnp.int32).at[place].set(
+            values.reshape(-1).astype(jnp.int32), mode="drop")
+    q_tokens = compact(rows * q_seq_len + docs.q_start, batch * q_seq_len)
+    kv_tokens = compact(rows * kv_seq_len + docs.kv_start, batch * kv_seq_len)
     q_tokens = jnp.concatenate([q_tokens, jnp.full((1,), batch * q_seq_len, jnp.int32)])
     kv_tokens = jnp.concatenate([kv_tokens, jnp.full((1,), batch * kv_seq_len, jnp.int32)])
-    width = -(-(batch * max_segments + 1) // 4) * 4
+    width = -(-(entries + 1) // 4) * 4
     pad = lambda x: jnp.pad(x, (0, width - x.shape[0]), mode="edge")  # noqa: E731
     offsets = jnp.stack([pad(q_tokens * (q_heads * head_dim)),
                          pad(kv_tokens * (kv_heads * head_dim)),
                          pad(kv_tokens * (kv_heads * head_dim_v)),
                          pad(q_tokens * (q_heads * head_dim_v)),
                          pad(q_tokens * q_heads)]).astype(jnp.int32)
-    return (docs.q_len.reshape(-1).astype(jnp.int32), docs.kv_len.reshape(-1).astype(jnp.int32),
-            offsets)
+    return compact(docs.q_len, 0), compact(docs.kv_len, 0), offsets
+
+
+def count_documents(docs: Documents):
+    """int32 []: the documents with queries, over all rows (the entries a ragged call needs)."""
+    return jnp.sum(docs.q_len > 0, dtype=jnp.int32)

@@ -1,0 +1,124 @@
+"""Where a packed call's compile time goes, and what runs around its kernels.
+
+    python -m benchmarks.packed_compile [--trace DIR]
+
+Compiles one packed fwd+bwd step (benchmarks/packed.py's 8x1024 config, one call) with parts of
+the packed path taken out, to see which part costs: every branch (as shipped); the ragged
+branches without the exact fallback (a stand-in that returns zeros: timing only, never run);
+the fallback with one ragged plan; the dense (non-packed) call for scale. With --trace, writes a
+jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls to DIR, and prints the
+GPU time per kernel name from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import gzip
+import json
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+
+import jax_sdpa
+from jax_sdpa import kernels
+from benchmarks.packed import configs, make_inputs, timed_functions
+
+
+@contextlib.contextmanager
+def _patched(module, **values):
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _no_fallback():
+    """A stand-in for the exact fallback with the same output types (zeros)."""
+    def forward(config, inputs):
+        q, v = inputs["query"], inputs["value"]
+        return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
+                jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
+
+    def backward(config, inputs, output, stats, d_output, forward_fn=None):
+        return (jnp.zeros_like(inputs["query"]), jnp.zeros_like(inputs["key"]),
+                jnp.zeros_like(inputs["value"]), None)
+    return types.SimpleNamespace(blockwise_forward=forward, backward=backward)
+
+
+def compile_seconds(attention, inputs):
+    step = timed_functions(attention)["fwd+bwd"]
+    jax.clear_caches()
+    start = time.perf_counter()
+    step.lower(inputs).compile()
+    return time.perf_counter() - start
+
+
+def variants(ids):
+    def packed(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                              implementation="cudnn")
+
+    def dense(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    yield "dense call (no segment ids)", dense, contextlib.nullcontext()
+    yield "packed, as shipped", packed, contextlib.nullcontext()
+    yield "packed, ragged branches only", packed, _patched(kernels,
+                                                           reference_kernel=_no_fallback())
+    yield "packed, one ragged plan + fallback", packed, _patched(
+        kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,))
+    yield "packed, one ragged plan only", packed, _patched(
+        kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,),
+        reference_kernel=_no_fallback())
+
+
+def kernel_times(trace_dir):
+    """{kernel name: total µs} from the Perfetto JSON of a jax.profiler trace."""
+    totals = collections.Counter()
+    for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
+        with gzip.open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+        pids = {e["pid"]: e["args"].get("name", "") for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for e in events:
+            if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), ""):
+                totals[e["name"]] += e.get("dur", 0)
+    return totals
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="8x1024")
+    parser.add_argument("--trace", default=None)
+    args = parser.parse_args(argv)
+    config = next(c for c in configs() if c.name == args.config)
+    ids = jnp.asarray(config.segment_ids())
+    inputs = make_inputs(config, seed=0)[:1]
+    for name, attention, patch in variants(ids):
+        with patch:
+            print(f"{config.name} compile, one fwd+bwd call: {name}: "
+                  f"{compile_seconds(attention, inputs):.2f} s", flush=True)
+    if args.trace:
+        attention = next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped")
+        step = timed_functions(attention)["fwd+bwd"]
+        inputs = make_inputs(config, seed=0)
+        jax.block_until_ready(step(inputs))
+        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(step(inputs))
+        totals = kernel_times(args.trace)
+        print(f"GPU time per kernel over 3 steps of {len(inputs)} calls (µs):")
+        for name, micros in totals.most_common(25):
+            print(f"  {micros:10.0f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
