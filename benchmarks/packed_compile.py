@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import jax_sdpa
 from jax_sdpa import kernels
-from benchmarks.packed import configs, make_inputs, timed_functions
+from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
 
 
 @contextlib.contextmanager
@@ -58,8 +58,10 @@ def compile_seconds(attention, inputs):
     step = timed_functions(attention)["fwd+bwd"]
     jax.clear_caches()
     start = time.perf_counter()
-    step.lower(inputs).compile()
-    return time.perf_counter() - start
+    lowered = step.lower(inputs)
+    traced = time.perf_counter()
+    lowered.compile()
+    return traced - start, time.perf_counter() - traced
 
 
 def variants(ids):
@@ -81,8 +83,9 @@ def variants(ids):
 
 
 def kernel_times(trace_dir):
-    """{kernel name: total µs} from the Perfetto JSON of a jax.profiler trace."""
-    totals = collections.Counter()
+    """({kernel name: total µs}, {kernel name: events}) from the Perfetto JSON of a
+    jax.profiler trace (GPU timelines only)."""
+    totals, counts = collections.Counter(), collections.Counter()
     for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
         with gzip.open(path) as f:
             events = json.load(f).get("traceEvents", [])
@@ -91,7 +94,8 @@ def kernel_times(trace_dir):
         for e in events:
             if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), ""):
                 totals[e["name"]] += e.get("dur", 0)
-    return totals
+                counts[e["name"]] += 1
+    return totals, counts
 
 
 def main(argv=None):
@@ -104,20 +108,25 @@ def main(argv=None):
     inputs = make_inputs(config, seed=0)[:1]
     for name, attention, patch in variants(ids):
         with patch:
-            print(f"{config.name} compile, one fwd+bwd call: {name}: "
-                  f"{compile_seconds(attention, inputs):.2f} s", flush=True)
+            lowering, compiling = compile_seconds(attention, inputs)
+            print(f"{config.name}, one fwd+bwd call, {name}: trace+lower {lowering:.2f} s, "
+                  f"XLA compile {compiling:.2f} s", flush=True)
     if args.trace:
-        attention = next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped")
-        step = timed_functions(attention)["fwd+bwd"]
+        traced = {"packed": next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped"),
+                  "per-document bound": _per_document(config)}
         inputs = make_inputs(config, seed=0)
-        jax.block_until_ready(step(inputs))
-        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-            for _ in range(3):
-                jax.block_until_ready(step(inputs))
-        totals = kernel_times(args.trace)
-        print(f"GPU time per kernel over 3 steps of {len(inputs)} calls (µs):")
-        for name, micros in totals.most_common(25):
-            print(f"  {micros:10.0f}  {name[:110]}")
+        for name, attention in traced.items():
+            step = timed_functions(attention)["fwd+bwd"]
+            jax.block_until_ready(step(inputs))
+            directory = f"{args.trace}/{name.replace(' ', '-')}"
+            with jax.profiler.trace(directory, create_perfetto_trace=True):
+                for _ in range(3):
+                    jax.block_until_ready(step(inputs))
+            totals, counts = kernel_times(directory)
+            print(f"{name}: GPU µs per kernel name over 3 steps of {len(inputs)} fwd+bwd calls "
+                  "(total, events):")
+            for kernel, micros in totals.most_common(12):
+                print(f"  {micros:9.0f} {counts[kernel]:5d}  {kernel[:100]}")
 
 
 if __name__ == "__main__":
