@@ -19,7 +19,7 @@ auto Fields(const SdpaConfig& c) {
   return std::make_tuple(static_cast<int32_t>(c.direction), c.device,
                          static_cast<int32_t>(c.element_type), c.batch, c.q_seq_len,
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
-                         FloatBits(c.scale), c.window_left, c.window_right, c.bottom_right,
+                         FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left, c.window_right, c.bottom_right,
                          c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.bias_batch,
                          c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout));
 }
@@ -37,7 +37,9 @@ std::string SdpaConfig::ToString() const {
       << ", dtype=" << (element_type == ElementType::kFloat16 ? "float16" : "bfloat16")
       << ", batch=" << batch << ", q_seq_len=" << q_seq_len << ", kv_seq_len=" << kv_seq_len
       << ", q_heads=" << q_heads << ", kv_heads=" << kv_heads << ", head_dim=" << head_dim
-      << ", head_dim_v=" << head_dim_v << ", scale=" << scale << ", window_left=" << window_left
+      << ", head_dim_v=" << head_dim_v << ", scale=" << scale;
+  if (soft_cap > 0) out << ", soft_cap=" << soft_cap;
+  out << ", window_left=" << window_left
       << ", window_right=" << window_right
       << ", alignment=" << (bottom_right ? "bottom_right" : "top_left") << ", padding=" << padding;
   if (ragged) {

@@ -25,6 +25,10 @@ struct SdpaConfig {
   int64_t head_dim = 0;    // of queries and keys
   int64_t head_dim_v = 0;  // of values and the output (may differ from head_dim)
   float scale = 1.0f;
+  // Soft-capping: scaled scores become soft_cap * tanh(scores / soft_cap) before the bias and
+  // masks; 0: none. cuDNN takes it as a score modifier, which replaces its built-in masks: the
+  // band and the padding are then built into the modifier (sdpa_graphs.cc).
+  float soft_cap = 0.0f;
   // Diagonal band: query i sees keys j with i + shift - window_left < j (cuDNN's exclusive left
   // bound) and j <= i + shift + window_right, where shift is 0 aligned top-left and
   // kv_seq_len - q_seq_len aligned bottom-right. -1: no bound. Causal is window_right = 0.

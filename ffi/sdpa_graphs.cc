@@ -1,6 +1,7 @@
 #include "sdpa_graphs.h"
 
 #include <exception>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -110,20 +111,64 @@ OffsetTensors AddOffsets(fe::graph::Graph& graph, const SdpaConfig& c) {
           AddInt32Vector(graph, "stats_offsets", kStatsOffsets, count)};
 }
 
-// The masking, bias and dropout options common to SDPA_attributes and
+namespace score_modifiers = fe::graph::attn::score_modifiers;
+
+// Soft-capping as cuDNN's score modifier: one Softcap object per graph, because the backward's
+// bprop modifier reads the pre-tanh scores its forward modifier saved. No cap: both null.
+struct SoftCap {
+  std::shared_ptr<score_modifiers::Softcap> modifier;
+  TensorPtr cap;
+};
+
+SoftCap AddSoftCap(fe::graph::Graph& graph, const SdpaConfig& c) {
+  if (c.soft_cap <= 0) return {};
+  return {std::make_shared<score_modifiers::Softcap>(), graph.tensor(c.soft_cap)};
+}
+
+// The band and the padding as graph nodes on the scores: what cuDNN's built-in masks do, which
+// a score modifier turns off.
+TensorPtr MaskScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr scores,
+                     const SdpaConfig& c, const TensorPtr& q_lengths,
+                     const TensorPtr& kv_lengths) {
+  if (c.padding) scores = score_modifiers::padding_mask(graph, scores, kv_lengths, q_lengths);
+  if (c.window_left < 0 && c.window_right < 0) return scores;
+  std::optional<int64_t> left, right;
+  if (c.window_left >= 0) left = c.window_left;
+  if (c.window_right >= 0) right = c.window_right;
+  return score_modifiers::sliding_window_mask(
+      graph, scores,
+      c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT,
+      left, right, c.q_seq_len, c.kv_seq_len, c.padding ? q_lengths : nullptr,
+      c.padding ? kv_lengths : nullptr);
+}
+
+// The masking, soft-cap, bias and dropout options common to SDPA_attributes and
 // SDPA_backward_attributes.
 template <typename Options>
-void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) {
-  if (c.window_right >= 0 || c.window_left >= 0) {
-    options.set_diagonal_alignment(c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
-                                                  : fe::DiagonalAlignment_t::TOP_LEFT);
-  }
-  if (c.window_right >= 0) options.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
-  if (c.window_left >= 0) options.set_diagonal_band_left_bound(static_cast<int>(c.window_left));
+void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& soft_cap,
+                Options& options) {
+  TensorPtr q_lengths, kv_lengths;
   if (c.padding) {
-    options.set_padding_mask(true)
-        .set_seq_len_q(AddInt32Vector(graph, "q_lengths", kQLengths, c.batch))
-        .set_seq_len_kv(AddInt32Vector(graph, "kv_lengths", kKvLengths, c.batch));
+    q_lengths = AddInt32Vector(graph, "q_lengths", kQLengths, c.batch);
+    kv_lengths = AddInt32Vector(graph, "kv_lengths", kKvLengths, c.batch);
+    options.set_seq_len_q(q_lengths).set_seq_len_kv(kv_lengths);
+  }
+  if (soft_cap.modifier) {
+    options.set_score_mod([soft_cap, c, q_lengths, kv_lengths](
+                              std::shared_ptr<fe::graph::Graph> sub, TensorPtr scores) {
+      scores = soft_cap.modifier->forward(sub, scores, soft_cap.cap);
+      return MaskScores(sub, scores, c, q_lengths, kv_lengths);
+    });
+  } else {
+    if (c.window_right >= 0 || c.window_left >= 0) {
+      options.set_diagonal_alignment(c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                                    : fe::DiagonalAlignment_t::TOP_LEFT);
+    }
+    if (c.window_right >= 0) {
+      options.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
+    }
+    if (c.window_left >= 0) options.set_diagonal_band_left_bound(static_cast<int>(c.window_left));
+    if (c.padding) options.set_padding_mask(true);
   }
   if (c.bias_batch > 0) options.set_bias(AddBias(graph, c, "bias", kBias));
   if (c.dropout > 0) {
@@ -142,7 +187,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(c.scale);
-  SetMasking(*graph, c, options);
+  SetMasking(*graph, c, AddSoftCap(*graph, c), options);
   auto [o, stats] = graph->sdpa(q, k, v, options);
   SetBshdOutput(o, kO, c, QuerySide(c, c.head_dim_v), offsets.o);
   stats->set_output(true);
@@ -164,7 +209,14 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
                      .set_name("jax_sdpa_backward")
                      .set_attn_scale(c.scale)
                      .set_deterministic_algorithm(c.deterministic);
-  SetMasking(*graph, c, options);
+  SoftCap soft_cap = AddSoftCap(*graph, c);
+  SetMasking(*graph, c, soft_cap, options);
+  if (soft_cap.modifier) {
+    options.set_score_mod_bprop(
+        [soft_cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_scores) {
+          return soft_cap.modifier->backward(sub, d_scores, soft_cap.cap);
+        });
+  }
   if (c.ragged) {  // sizes the workspace by the tokens, not by documents x longest document
     options.set_max_total_seq_len_q(c.total_q_tokens).set_max_total_seq_len_kv(c.total_kv_tokens);
   }

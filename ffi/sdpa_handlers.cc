@@ -19,6 +19,7 @@
 // names Python is checked against (HandlerAttributeNames) all come from this list.
 #define JAX_SDPA_ATTRIBUTES(X, SEP)                                                  \
   X(float, scale)                                                                    \
+  SEP X(float, soft_cap)       /* cap * tanh(scores / cap); 0: none */                \
   SEP X(int64_t, window_left)  /* cuDNN's exclusive left bound; -1: none */          \
   SEP X(int64_t, window_right) /* 0 is causal; -1: none */                           \
   SEP X(bool, bottom_right)                                                          \
@@ -180,6 +181,7 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   c.head_dim = qd[rank - 1];
   c.head_dim_v = vd[rank - 1];
   c.scale = options.scale;
+  c.soft_cap = options.soft_cap;
   c.window_left = options.window_left;
   c.window_right = options.window_right;
   c.bottom_right = options.bottom_right;

@@ -124,12 +124,12 @@ def _varying_like(results, operands):
     (lax.switch branches, out_specs)."""
     axes = set()
     for x in operands:
-        axes |= _varying_axes(x)
+        axes |= varying_axes(x)
     if not axes:
         return tuple(results)
 
     def cast(x):
-        missing = tuple(sorted(axes - _varying_axes(x)))
+        missing = tuple(sorted(axes - varying_axes(x)))
         if not missing:
             return x
         if hasattr(jax.lax, "pcast"):
@@ -138,7 +138,7 @@ def _varying_like(results, operands):
     return tuple(cast(x) for x in results)
 
 
-def _varying_axes(x) -> set:
+def varying_axes(x) -> set:
     """The manual mesh axes x varies over (JAX >= 0.10 keeps them in aval.mat.varying, earlier
     releases in aval.vma)."""
     aval = jax.typeof(x)

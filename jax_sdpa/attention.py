@@ -14,7 +14,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           local_window_size=None, implementation=None, return_residual=False,
                           deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
                           dropout_rng=None, query_segment_ids=None, kv_segment_ids=None,
-                          max_segments=None):
+                          max_segments=None, logits_soft_cap=None, sinks=None):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -55,6 +55,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         any other rows exactly, query block by query block (slower, still O(T) memory).
       max_segments: the most documents per row the ragged layout takes (static; default 64).
         Each slot costs a little even when empty; rows holding more take the exact fallback.
+      logits_soft_cap: a positive float or None: the scaled scores ``scale * Q K^T`` become
+        ``cap * tanh(scores / cap)`` (Gemma 2, tokamax's convention), after scaling and before
+        the bias, masks and softmax. Not in jax.nn.
+      sinks: None or a float array ``[N]`` (float32 or the inputs' dtype): one learnable logit
+        per query head (attention sinks, gpt-oss style) that joins every softmax row's
+        denominator and contributes no value: weights become ``exp(s_ij) / (exp(sinks[n]) +
+        sum_j exp(s_ij))``. Differentiable. A row that sees no key gives zeros (the sink takes
+        all the weight), and the returned residual includes the sink. Not in jax.nn.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
@@ -65,7 +73,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                     local_window_size=local_window_size, implementation=implementation,
                     causal_alignment=causal_alignment, dropout_rate=dropout_rate,
                     dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
-                    kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+                    kv_segment_ids=kv_segment_ids, max_segments=max_segments,
+                    logits_soft_cap=logits_soft_cap, sinks=sinks)
     plan = planning.plan(call, implementation, deterministic=bool(deterministic))
     if plan is not None:
         output, lse = fused_path.run(call, plan)
@@ -76,7 +85,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             key_value_seq_lengths=call.key_value_seq_lengths,
             local_window_size=call.local_window_size, diagonal_offset=call.diagonal_offset,
             dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
-            query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids)
+            query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids,
+            logits_soft_cap=call.logits_soft_cap, sinks=call.sinks)
     output = output.reshape(call.output_shape)
     if not return_residual:
         return output

@@ -56,6 +56,8 @@ def _inputs(call: AttentionCall, plan: CudnnPlan, mask):
             inputs["kv_segment_ids"] = call.kv_segment_ids
     if config.has_seed:
         inputs["dropout_seed"] = kernel_vjp.dropout_seed(call.dropout_rng)
+    if config.has_sinks:
+        inputs["sinks"] = call.sinks
     return inputs
 
 
@@ -106,6 +108,10 @@ def _uniform_rows(call: AttentionCall, mask, output, lse):
     gradient."""
     _, q_seq_len, q_heads, _ = call.query.shape
     kv_heads = call.key.shape[2]
+    if call.sinks is not None:
+        # The sink takes the whole weight of such rows: the kernels' output is zeros there,
+        # as the reference's, and their lse the sink's.
+        return output, lse
     empty = _rows_seeing_nothing(call, mask)  # [B|1, N|1, T]
     mean_value = jnp.mean(call.value.astype(jnp.float32), axis=1)  # [B, K, Hv]
     mean_value = jnp.repeat(mean_value, q_heads // kv_heads, axis=1)  # [B, N, Hv]

@@ -15,7 +15,7 @@ import numpy as np
 
 # Every array a kernel call can take, in the order the FFI and the sharding rules list them.
 INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
-          "kv_segment_ids", "dropout_seed")
+          "kv_segment_ids", "dropout_seed", "sinks")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 
 DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs before the kernel writes them
@@ -48,6 +48,11 @@ class KernelConfig:
     # cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
     segments: str = ""
     max_segments: int = 0
+    # Scaled scores become cap * tanh(scores / cap) before the bias and masks; 0: none.
+    logits_soft_cap: float = 0.0
+    # A sinks input (float [N], one logit per query head): the kernels scale their output by
+    # the sink's share of each row (jax_sdpa/sinks.py); cuDNN itself never sees it.
+    has_sinks: bool = False
     command_buffer: bool = False  # the FFI targets XLA may record into CUDA graphs
     debug: int = 0  # DEBUG_* bits (tests)
 
@@ -75,7 +80,8 @@ class KernelConfig:
         present = {"query": True, "key": True, "value": True, "bias": self.has_bias,
                    "q_lengths": self.has_lengths, "kv_lengths": self.has_lengths,
                    "q_segment_ids": bool(self.segments),
-                   "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed}
+                   "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed,
+                   "sinks": self.has_sinks}
         return tuple(name for name in INPUTS if present[name])
 
     def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0)) -> dict:
@@ -85,7 +91,8 @@ class KernelConfig:
         # Tokens of no document (past a length, or whose id the other side lacks) and rows past
         # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
         zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
-        return dict(scale=np.float32(self.scale), window_left=np.int64(self.window_left),
+        return dict(scale=np.float32(self.scale), soft_cap=np.float32(self.logits_soft_cap),
+                    window_left=np.int64(self.window_left),
                     window_right=np.int64(self.window_right),
                     bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
                     has_lengths=bool(self.has_lengths or ragged), ragged=bool(ragged),

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import sharding_rules
+from jax_sdpa import sharding_rules, sinks
 from jax_sdpa.kernel_config import KernelConfig
 
-_DIFFERENTIABLE = ("query", "key", "value", "bias")
+_DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -24,7 +24,7 @@ def attention(config: KernelConfig, inputs: dict):
     """inputs: the config's arrays by name (kernel_config.INPUTS): query [B, T, N, H], key
     [B, S, K, H], value [B, S, K, Hv], bias [1|B, 1|N, T, S] in the query's dtype, lengths int32
     [B], segment ids int32 [B, T] / [B, S], dropout_seed uint32 [4] (Philox seed, then offset,
-    as two int64). Returns (output [B, T, N, Hv], lse float32 [B, N, T])."""
+    as two int64), sinks float [N]. Returns (output [B, T, N, Hv], lse float32 [B, N, T])."""
     return sharding_rules.forward(config, inputs)
 
 
@@ -45,6 +45,8 @@ def _backward(config, residuals, cotangents):
     if config.has_bias and dbias is None:
         dbias = jnp.zeros_like(inputs["bias"])  # a mask's bias: nothing upstream needs it
     grads = dict(query=dq, key=dk, value=dv, bias=dbias)
+    if config.has_sinks:  # exact from the sink attention's output and lse (jax_sdpa/sinks.py)
+        grads["sinks"] = sinks.gradient(output, stats, d_output, inputs["sinks"])
     return ({name: grads[name] if name in _DIFFERENTIABLE else _integer_zero(x)
              for name, x in inputs.items()},)
 

@@ -17,19 +17,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, packing, reference_kernel
+from jax_sdpa import _ffi, packing, reference_kernel, sinks
 from jax_sdpa.reference import large_negative
 
 
 def forward(config, inputs):
     if config.implementation == "xla":
         return reference_kernel.forward(config, inputs)
+    plain = _without_sinks(inputs)
     if config.segments:
-        return _packed_forward(config, inputs)
-    return tuple(_ffi.sdpa_forward(inputs, config))
+        output, stats = _packed_forward(config, plain)
+    else:
+        output, stats = _ffi.sdpa_forward(plain, config)
+    if config.logits_soft_cap and config.has_lengths:
+        output, stats = _clear_rows_seeing_nothing(output, stats)
+    if config.has_sinks:
+        output, stats = sinks.apply(output, stats, inputs["sinks"])
+    return output, stats
 
 
 def backward(config, inputs, output, stats, d_output):
+    """With sinks, output and stats are the sink attention's (jax_sdpa/sinks.py): given those,
+    cuDNN's backward is the sink attention's; a reference backward recomputes with the sinks."""
     if config.implementation == "xla":
         return reference_kernel.backward(config, inputs, output, stats, d_output)
     if config.backward_kernel == "xla":  # a cuDNN forward whose backward cuDNN cannot run
@@ -38,9 +47,25 @@ def backward(config, inputs, output, stats, d_output):
         forward_fn = (reference_kernel.blockwise_forward if config.segments else
                       reference_kernel.forward)
         return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)
-    if config.segments:
+    if config.has_sinks:  # rows the sink took whole are zeros: nothing flows back through them
+        d_output = jnp.where(sinks.rows_kept(stats, inputs["sinks"])[..., None], d_output, 0)
+    if config.segments:  # (its exact fallback recomputes the forward, with the sinks)
         return _packed_backward(config, inputs, output, stats, d_output)
-    return tuple(_ffi.sdpa_backward(inputs, output, stats, d_output, config))
+    return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, stats, d_output, config))
+
+
+def _clear_rows_seeing_nothing(output, stats):
+    """With soft-capping, cuDNN's padding is a mask inside the score modifier, not its own
+    padding mode: rows whose every score is masked (past a query length, or a key length of 0)
+    come back non-finite. They become zeros with the reference's large negative lse, which
+    also keeps the backward's exp(scores - lse) at 0 there."""
+    empty = ~jnp.isfinite(stats)  # [B, N, T]
+    output = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), output.dtype), output)
+    return output, jnp.where(empty, large_negative(), stats)
+
+
+def _without_sinks(inputs):
+    return {name: x for name, x in inputs.items() if name != "sinks"}
 
 
 def _documents(config, inputs):

@@ -20,6 +20,8 @@ from jax_sdpa.validation import AttentionCall
 MIN_CUDNN_VERSION = 90000  # cuDNN 9.0: SDPA forward and backward through the frontend graphs
 MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: cuDNN's fused flash attention kernels
 MIN_RAGGED_COMPUTE_CAPABILITY = (9, 0)  # cuDNN's ragged (packed) layout: Hopper and newer
+MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
+MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_HEAD_DIM = 256
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
@@ -78,12 +80,27 @@ def kernel_reason(dtype, head_dims) -> str | None:
     return None
 
 
-def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v) -> str | None:
+def soft_cap_reason(logits_soft_cap) -> str | None:
+    """None if cuDNN's forward can soft-cap the scores (or there is no cap), else why not."""
+    if logits_soft_cap is None or device_reason() is not None:
+        return None
+    if _ffi.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
+        return (f"logits_soft_cap needs cuDNN >= 9.4 (the loaded cuDNN is "
+                f"{_ffi.cudnn_version()})")
+    return None
+
+
+def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
+                    logits_soft_cap=None) -> str | None:
     """None if cuDNN's backward takes these sizes on this device, else why not (the limits the
     cuDNN frontend checks when it builds the backward graph)."""
     if q_seq_len == 1 and kv_seq_len == 1:
         return "cuDNN's backward does not support one query and one key (T = S = 1)"
     capability = _device_capability() if device_reason() is None else None
+    if (logits_soft_cap is not None and capability is not None and
+            capability < MIN_SOFT_CAP_BACKWARD_CAPABILITY):
+        return (f"cuDNN's backward with logits_soft_cap needs compute capability 9.0 or newer "
+                f"(got {capability[0]}.{capability[1]})")
     if capability is None or capability[0] == 9:
         return None
     if capability[0] == 10 and (head_dim, head_dim_v) == (192, 128):
@@ -143,6 +160,10 @@ def ragged_reason(call: AttentionCall) -> str | None:
     take the dense path (a [B, 1, T, S] bias)."""
     if call.bias is not None or call.mask is not None:
         return "segment ids with a bias or mask need a dense [B, N, T, S] bias"
+    if call.logits_soft_cap is not None:
+        return ("segment ids with logits_soft_cap need a dense [B, 1, T, S] bias (cuDNN's "
+                "ragged layout relies on its built-in padding mask, which a score modifier "
+                "turns off)")
     if call.diagonal_offset != 0 and (call.is_causal or call.local_window_size is not None):
         return ("segment ids with causal_alignment='bottom_right' and T != S need a dense "
                 "[B, 1, T, S] bias")
@@ -166,7 +187,7 @@ def call_reason(call: AttentionCall) -> str | None:
     device."""
     reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
                                               ("value head_dim", call.value.shape[-1])))
-    return reason or diagonal_band(call)[1]
+    return reason or soft_cap_reason(call.logits_soft_cap) or diagonal_band(call)[1]
 
 
 def use_cudnn(reason: str | None, implementation, subject: str = "this call") -> bool:
@@ -202,7 +223,8 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = device_reason() or call_reason(call)
-    backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v)
+    backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
+                                                   call.logits_soft_cap)
     if backward is not None and call.dropout_rate > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
@@ -232,6 +254,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         dropout=call.dropout_rate, implementation="cudnn",
         backward_implementation=backward_kernel, has_lengths=call.has_lengths,
         segments=segments, max_segments=call.max_segments if segments else 0,
+        logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
         command_buffer=_ffi.command_buffers(), debug=debug.flags(),
         **_bias_layout(call, dense_segments))
     return CudnnPlan(config, dense_segments)

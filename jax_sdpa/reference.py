@@ -65,14 +65,17 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, diagonal_offset=0, dropout_rate=0.0,
                         dropout_rng=None, dropout_keep=None, query_segment_ids=None,
-                        kv_segment_ids=None):
+                        kv_segment_ids=None, logits_soft_cap=None, sinks=None):
     """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
     Scores and softmax are float32 whatever the input dtype. Dropout (dropout_rate > 0) keeps
     each weight with probability 1 - rate and scales kept weights by 1 / (1 - rate); the keep
     mask is drawn from dropout_rng, or given as dropout_keep ([B, N, T, S], e.g. cuDNN's own
-    mask in a test). Returns (output [B, T, N, Hv] in the query's dtype, lse [B, N, T] float32):
-    lse is the log-sum-exp of each row of masked scores, before dropout.
+    mask in a test). logits_soft_cap: scaled scores become cap * tanh(scores / cap), before the
+    bias and masks. sinks: float [N], one logit per query head that joins each row's softmax
+    denominator (a row that sees no key then gives zeros). Returns (output [B, T, N, Hv] in the
+    query's dtype, lse [B, N, T] float32): lse is the log-sum-exp of each row of masked scores
+    (and the sink), before dropout.
     """
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, _ = key.shape
@@ -82,6 +85,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
                         preferred_element_type=jnp.float32,
                         precision=jax.lax.Precision.HIGHEST)
     logits = logits.reshape(batch, q_heads, q_seq_len, kv_seq_len) * jnp.float32(scale)
+    if logits_soft_cap is not None:
+        cap = jnp.float32(logits_soft_cap)
+        logits = cap * jnp.tanh(logits / cap)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
@@ -92,8 +98,12 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     if keep is not None:
         logits = jnp.where(keep, logits, large_negative())
     lse = jax.nn.logsumexp(logits, axis=-1)
-    # softmax, not exp(logits - lse): for a fully masked row lse rounds to the fill value itself.
-    probs = jax.nn.softmax(logits, axis=-1)
+    if sinks is None:
+        # softmax, not exp(logits - lse): for a fully masked row lse rounds to the fill value.
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+        probs = jnp.exp(logits - lse[..., None])
     if dropout_rate > 0.0:
         if dropout_keep is None:
             dropout_keep = dropout_keep_mask(dropout_rng, dropout_rate, probs.shape)

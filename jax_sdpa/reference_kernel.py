@@ -52,7 +52,8 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
         query_seq_lengths=q_lengths, key_value_seq_lengths=inputs.get("kv_lengths"),
         local_window_size=_window(config), diagonal_offset=offset + first_row,
         dropout_rate=config.dropout, dropout_rng=rng, query_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids)
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=config.logits_soft_cap or None,
+        sinks=inputs.get("sinks"))
 
 
 def forward(config, inputs):

@@ -21,15 +21,24 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _ffi, kernels, planning
+from jax_sdpa import _ffi, kernels, planning, validation
+from jax_sdpa import sinks as sinks_lib
 from jax_sdpa.kernel_config import KernelConfig
 
 _FULL, _DIAGONAL, _SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
+
+
+class _Scores(NamedTuple):
+    """How a block's scores are formed: scale * Q K^T, then soft-capped (None: not)."""
+
+    scale: float
+    soft_cap: float | None
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -51,12 +60,13 @@ def _split(x, parts):
     return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
-def _block_config(implementation, scale, kind):
-    return KernelConfig(scale=scale, window_right=0 if kind == _DIAGONAL else -1,
-                        implementation=implementation, command_buffer=_ffi.command_buffers())
+def _block_config(implementation, scores, kind):
+    return KernelConfig(scale=scores.scale, window_right=0 if kind == _DIAGONAL else -1,
+                        implementation=implementation, command_buffer=_ffi.command_buffers(),
+                        logits_soft_cap=scores.soft_cap or 0.0)
 
 
-def _block_forward(implementation, scale, kind, q, k, v):
+def _block_forward(implementation, scores, kind, q, k, v):
     """(output float32 [B,t,N,H], lse float32 [B,N,t]) of one chunk pair; a skipped pair has
     lse -inf and output 0 (shaped from the inputs so they vary over the mesh as they do)."""
     if kind == _SKIP:
@@ -66,48 +76,55 @@ def _block_forward(implementation, scale, kind, q, k, v):
         return out, lse
     if implementation == "xla":  # float32 blocks
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = kernels.forward(_block_config(implementation, scale, kind),
+    out, lse = kernels.forward(_block_config(implementation, scores, kind),
                                dict(query=q, key=k, value=v))
     return out.astype(jnp.float32), lse
 
 
-def _reference_block_backward(scale, kind, q, k, v, out, lse, d_out):
+def _reference_block_backward(scores, kind, q, k, v, out, lse, d_out):
     """The float32 reference of cuDNN's block backward under given (global) out and lse."""
+    scale, soft_cap = scores
     q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
     b, s_len, kv_heads, _ = k.shape
     groups = q.shape[2] // kv_heads
     expand = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
     hp = lax.Precision.HIGHEST
-    scores = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
+    logits = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
+    capped = None
+    if soft_cap:
+        capped = jnp.tanh(logits / soft_cap)
+        logits = soft_cap * capped
     if kind == _DIAGONAL:
-        t, n = scores.shape[-2:]
-        scores = jnp.where(jnp.tril(jnp.ones((t, n), bool)), scores, -jnp.inf)
-    p = jnp.exp(scores - lse[..., None])
+        t, n = logits.shape[-2:]
+        logits = jnp.where(jnp.tril(jnp.ones((t, n), bool)), logits, -jnp.inf)
+    p = jnp.exp(logits - lse[..., None])
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hp)
     dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=hp)
     row_dot = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # D = rowsum(dO * O), [B,N,T]
     ds = p * (dp - row_dot[..., None])
+    if capped is not None:  # d(cap * tanh(x / cap)) / dx
+        ds = ds * (1.0 - capped * capped)
     dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=hp) * scale
     dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hp) * scale
     fold = lambda x: x.reshape(b, s_len, kv_heads, groups, x.shape[-1]).sum(3)  # noqa: E731
     return dq, fold(dk), fold(dv)
 
 
-def _block_backward(implementation, scale, kind, q, k, v, out, lse, d_out):
+def _block_backward(implementation, scores, kind, q, k, v, out, lse, d_out):
     """One chunk pair's exact share of (dq, dk, dv), float32, given the global out and lse."""
     if kind == _SKIP:
         return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
                 jnp.zeros_like(v, jnp.float32))
     if implementation == "xla":
-        return _reference_block_backward(scale, kind, q, k, v, out, lse, d_out)
-    dq, dk, dv, _ = kernels.backward(_block_config(implementation, scale, kind),
+        return _reference_block_backward(scores, kind, q, k, v, out, lse, d_out)
+    dq, dk, dv, _ = kernels.backward(_block_config(implementation, scores, kind),
                                      dict(query=q, key=k, value=v), out.astype(q.dtype), lse,
                                      d_out.astype(q.dtype))
     return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
 
 
-def _switch(kind, implementation, scale, block_fn, *args):
-    branches = [functools.partial(block_fn, implementation, scale, k)
+def _switch(kind, implementation, scores, block_fn, *args):
+    branches = [functools.partial(block_fn, implementation, scores, k)
                 for k in (_FULL, _DIAGONAL, _SKIP)]
     return lax.switch(kind, branches, *args)
 
@@ -127,7 +144,7 @@ def _merge(out, lse, block_out, block_lse):
     return out * weight(lse) + block_out * weight(block_lse), merged
 
 
-def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation):
+def _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
     q_chunks = _split(q, parts)
@@ -141,7 +158,7 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementat
         for i, (q_chunk, q_index) in enumerate(zip(q_chunks, _chunks(layout, me, size))):
             for k_chunk, v_chunk, k_index in zip(_split(kb, parts), _split(vb, parts),
                                                   _chunks(layout, source, size)):
-                block = _switch(_kind(q_index, k_index, is_causal), implementation, scale,
+                block = _switch(_kind(q_index, k_index, is_causal), implementation, scores,
                                 _block_forward, q_chunk, k_chunk, v_chunk)
                 outs[i], lses[i] = _merge(outs[i], lses[i], *block)
         if following is not None:
@@ -149,7 +166,7 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementat
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
 
-def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout,
+def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores, layout,
                         implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
@@ -167,7 +184,7 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, l
                 _split(kb, parts), _split(vb, parts), _chunks(layout, source, size))):
             for i, q_index in enumerate(_chunks(layout, me, size)):
                 block_dq, block_dk, block_dv = _switch(
-                    _kind(q_index, k_index, is_causal), implementation, scale, _block_backward,
+                    _kind(q_index, k_index, is_causal), implementation, scores, _block_backward,
                     q_chunks[i], k_chunk, v_chunk, out_chunks[i], lse_chunks[i],
                     d_out_chunks[i])
                 dq[i] = dq[i] + block_dq
@@ -181,23 +198,35 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale, l
     return jnp.concatenate(dq, axis=1), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, is_causal, scale, layout, implementation):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation)
+def _with_sinks(out, lse, sinks):
+    """The merged rows' (out, lse) with the sinks joined once to each denominator."""
+    return (out, lse) if sinks is None else sinks_lib.apply(out, lse, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, sinks, axis_name, is_causal, scores, layout, implementation):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation)
+    out, lse = _with_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, axis_name, is_causal, scale, layout, implementation):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scale, layout, implementation)
-    return (out.astype(q.dtype), lse), (q, k, v, out, lse)
+def _ring_fwd(q, k, v, sinks, axis_name, is_causal, scores, layout, implementation):
+    out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation)
+    out, lse = _with_sinks(out, lse, sinks)
+    return (out.astype(q.dtype), lse), (q, k, v, sinks, out, lse)
 
 
-def _ring_bwd(axis_name, is_causal, scale, layout, implementation, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _ring_bwd(axis_name, is_causal, scores, layout, implementation, residuals, cotangents):
+    q, k, v, sinks, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
-    dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scale,
+    # Given the sink attention's out and lse, each block's backward is its exact share
+    # (jax_sdpa/sinks.py); rows the sink took whole pass nothing back.
+    if sinks is not None:
+        d_out = jnp.where(sinks_lib.rows_kept(lse, sinks)[..., None], d_out, 0)
+    dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores,
                                      layout, implementation)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    d_sinks = None if sinks is None else sinks_lib.gradient(out, lse, d_out, sinks)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -211,7 +240,7 @@ def _mesh_platform(x):
     return getattr(device, "platform", None)
 
 
-def _implementation(query, key, value, requested, parts):
+def _implementation(query, key, value, requested, parts, logits_soft_cap):
     """"cudnn" where the block attention (forward and backward) can run there, else "xla":
     decided, warned about or refused as dot_product_attention decides (jax_sdpa/planning.py)."""
     reason = planning.device_reason()
@@ -220,22 +249,26 @@ def _implementation(query, key, value, requested, parts):
         reason = f"the ring's mesh is on {platform} devices"
     reason = reason or planning.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
                                                             ("value head_dim", value.shape[-1])))
+    reason = reason or planning.soft_cap_reason(logits_soft_cap)
     reason = reason or planning.backward_reason(query.shape[1] // parts, key.shape[1] // parts,
-                                                query.shape[-1], value.shape[-1])
+                                                query.shape[-1], value.shape[-1],
+                                                logits_soft_cap)
     return "cudnn" if planning.use_cudnn(reason, requested, "this ring attention") else "xla"
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
-                   return_residual=False, layout="contiguous", implementation=None):
+                   return_residual=False, layout="contiguous", implementation=None,
+                   logits_soft_cap=None, sinks=None):
     """Attention over a sequence split along mesh axis `axis_name`; call inside shard_map.
 
     query [B, T/P, N, H] and key/value [B, S/P, K, H] are this device's blocks (T = S when
     causal). layout="contiguous": device d holds block d; "zigzag": device d holds chunks d and
     2P-1-d of 2P (causal load balance; see zigzag_permute). implementation: None (cuDNN block
     kernels where they can run, else the reference path with a one-time warning naming why),
-    "cudnn" (or NotImplementedError naming why) or "xla". Returns the local
-    output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the global
-    softmax rows).
+    "cudnn" (or NotImplementedError naming why) or "xla". logits_soft_cap and sinks (float
+    [N], replicated over the ring axis) as in dot_product_attention: the sinks join each row's
+    merged denominator once. Returns the local output block (and, with return_residual, the
+    float32 log-sum-exp [B, T/P, N] of the global softmax rows, the sink included).
     """
     if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"ring_attention takes [B, T, N, H] blocks, got {query.shape}, "
@@ -252,10 +285,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    logits_soft_cap = validation.checked_soft_cap(logits_soft_cap)
+    sinks = validation.checked_sinks(sinks, query.shape[2], query.dtype)
     implementation = _implementation(query, key, value, implementation,
-                                     len(_chunks(layout, 0, 1)))
-    out, lse = _ring(query, key, value, axis_name, bool(is_causal), scale, layout,
-                     implementation)
+                                     len(_chunks(layout, 0, 1)), logits_soft_cap)
+    out, lse = _ring(query, key, value, sinks, axis_name, bool(is_causal),
+                     _Scores(scale, logits_soft_cap), layout, implementation)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)
     return out

@@ -26,7 +26,7 @@ from jax_sdpa import kernels
 from jax_sdpa.kernel_config import KernelConfig
 
 # Arrays with no batch axis (everything else has it first).
-_UNBATCHED = ("dropout_seed",)
+_UNBATCHED = ("dropout_seed", "sinks")
 
 
 def _factors(config: KernelConfig, groups: int):
@@ -38,7 +38,7 @@ def _factors(config: KernelConfig, groups: int):
             "output": f"b t {heads} hv", "stats": f"b {heads} t", "d_output": f"b t {heads} hv",
             "dq": f"b t {heads} h", "dk": "b s k h", "dv": "b s k hv", "bias": bias,
             "dbias": bias, "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "b t",
-            "kv_segment_ids": "b s", "dropout_seed": "seed"}
+            "kv_segment_ids": "b s", "dropout_seed": "seed", "sinks": heads}
 
 
 def _rule(config, groups, inputs, outputs):
@@ -90,7 +90,7 @@ def _specs(config, batch_axes, head_axes):
             "stats": PartitionSpec(b, n, None), "bias": bias, "dbias": bias,
             "q_lengths": PartitionSpec(b), "kv_lengths": PartitionSpec(b),
             "q_segment_ids": PartitionSpec(b, None), "kv_segment_ids": PartitionSpec(b, None),
-            "dropout_seed": PartitionSpec(None)}
+            "dropout_seed": PartitionSpec(None), "sinks": PartitionSpec(n)}
 
 
 def _per_shard_seed(arrays, names, sharded_axes):

@@ -41,6 +41,10 @@ class AttentionCall:
     query_segment_ids: jnp.ndarray | None = None
     kv_segment_ids: jnp.ndarray | None = None
     max_segments: int = 0
+    # Soft-capping of the scaled scores (cap * tanh(scores / cap)), None for none; attention
+    # sinks: float32 [N], one logit per query head that joins each softmax denominator.
+    logits_soft_cap: float | None = None
+    sinks: jnp.ndarray | None = None
 
     @property
     def has_lengths(self) -> bool:
@@ -165,10 +169,41 @@ def _dropout(dropout_rate, dropout_rng):
     return rate, rng
 
 
+def checked_soft_cap(cap):
+    """cap as a positive finite float, or None."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+        raise TypeError(f"logits_soft_cap must be a Python float or None, got "
+                        f"{type(cap).__name__}")
+    cap = float(cap)
+    if not (math.isfinite(cap) and cap > 0.0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap}")
+    return cap
+
+
+def checked_sinks(value, q_heads, dtype):
+    """value as a float32 [N] array (one logit per query head), or None. Float32 or the
+    inputs' dtype only: a wider dtype would be narrowed silently."""
+    if value is None:
+        return None
+    given_dtype = getattr(value, "dtype", None)  # before jnp.asarray narrows float64
+    array = _as_array(value, "sinks")
+    given_dtype = jnp.dtype(array.dtype if given_dtype is None else given_dtype)
+    if given_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(dtype)):
+        raise TypeError(f"sinks must be float32 or the inputs' dtype ({jnp.dtype(dtype)}), got "
+                        f"{given_dtype}")
+    if array.shape != (q_heads,):
+        raise ValueError(f"sinks must have shape [num_query_heads] = ({q_heads},), got "
+                         f"{array.shape}")
+    return array
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
              dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
-             kv_segment_ids=None, max_segments=None) -> AttentionCall:
+             kv_segment_ids=None, max_segments=None, logits_soft_cap=None,
+             sinks=None) -> AttentionCall:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
@@ -235,4 +270,6 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
         dropout_rate=rate, dropout_rng=rng, query_segment_ids=q_ids, kv_segment_ids=kv_ids,
         max_segments=_max_segments(max_segments),
+        logits_soft_cap=checked_soft_cap(logits_soft_cap),
+        sinks=checked_sinks(sinks, q_heads, query.dtype),
     )

@@ -16,7 +16,7 @@ LAYERS = [
     {"kernel_vjp"},                                      # forward + backward as custom_vjp
     {"sharding_rules"},                                  # custom_partitioning / custom_vmap
     {"kernels"},                                         # the kernel switch, packed layout
-    {"_ffi", "reference_kernel", "packing", "debug"},    # FFI calls, reference kernel, tables
+    {"_ffi", "reference_kernel", "packing", "debug", "sinks"},  # FFI, reference, tables, sinks
     {"reference", "validation", "kernel_config", "_warnings", "versions"},  # leaves
 ]
 
