@@ -19,11 +19,16 @@ def _jax_nn(implementation):
     return attention
 
 
-# f(q, k, v, segment_ids=None): causal self-attention, within documents when segment_ids
-# (int32 [B, T]) say which document each token is in.
+def _jax_sdpa(q, k, v, segment_ids=None, **variants):
+    """variants: logits_soft_cap, sinks (only jax_sdpa has them)."""
+    return jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
+                                          query_segment_ids=segment_ids, **variants)
+
+
+# f(q, k, v, segment_ids=None, **variants): causal self-attention, within documents when
+# segment_ids (int32 [B, T]) say which document each token is in; variants only for jax_sdpa.
 ATTENTION = {
-    "jax_sdpa": lambda q, k, v, segment_ids=None: jax_sdpa.dot_product_attention(
-        q, k, v, is_causal=True, query_segment_ids=segment_ids),
+    "jax_sdpa": _jax_sdpa,
     "xla": _jax_nn("xla"),
     "jax-cudnn": _jax_nn("cudnn"),
 }
@@ -38,6 +43,8 @@ class GPTConfig:
     d_model: int = 768
     dtype: str = "bfloat16"  # computation dtype; parameters stay float32
     attention: str = "jax_sdpa"
+    logits_soft_cap: float | None = None  # Gemma 2-style capping of the attention scores
+    sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -47,14 +54,22 @@ class CausalSelfAttention(nnx.Module):
         self.attention = config.attention
         self.qkv = nnx.Linear(config.d_model, 3 * config.d_model, dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(config.d_model, config.d_model, dtype=dtype, rngs=rngs)
+        self.variants = {}
+        if config.logits_soft_cap is not None:
+            self.variants["logits_soft_cap"] = config.logits_soft_cap
+        # The sinks start at 0: one token's worth of weight going nowhere.
+        self.sinks = nnx.Param(jnp.zeros((config.n_head,), jnp.float32)) if config.sinks else None
 
     def __call__(self, x, segment_ids=None):
         batch, seq, features = x.shape
         # Head-major columns ([head, q/k/v, dim]): a tensor-parallel split of the qkv columns
         # over devices is then a split over heads (examples/sharded_training.py).
         qkv = self.qkv(x).reshape(batch, seq, self.n_head, 3, features // self.n_head)
+        variants = dict(self.variants)
+        if self.sinks is not None:
+            variants["sinks"] = self.sinks.value
         y = ATTENTION[self.attention](qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
-                                      segment_ids)
+                                      segment_ids, **variants)
         return self.proj(y.reshape(batch, seq, features))
 
 

@@ -5,6 +5,7 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
     python examples/train_gpt2.py --attention xla --steps 200
     python examples/train_gpt2.py --pack               # rows packed with whole source files
     python examples/train_gpt2.py --rows padded        # one file per row, padded: to compare
+    python examples/train_gpt2.py --logits-soft-cap 30 --sinks   # Gemma 2 / gpt-oss attention
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
@@ -57,8 +58,15 @@ def parse_args(argv=None):
                         help="how rows are cut from the corpus (see the module docstring)")
     parser.add_argument("--pack", dest="rows", action="store_const", const="packed",
                         help="the same as --rows packed")
+    parser.add_argument("--logits-soft-cap", type=float, default=None,
+                        help="cap the attention scores: cap * tanh(scores / cap) (jax_sdpa)")
+    parser.add_argument("--sinks", action="store_true",
+                        help="a learned attention-sink logit per head (jax_sdpa)")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
+    if (args.logits_soft_cap is not None or args.sinks) and args.attention != "jax_sdpa":
+        parser.error("--logits-soft-cap and --sinks need --attention jax_sdpa (jax.nn has "
+                     "neither)")
     preset = args.preset or ("gpt2" if jax.default_backend() == "gpu" else "cpu")
     settings = dict(PRESETS[preset], preset=preset)
     # Flags given on the command line override the preset; the others keep the preset's value.
@@ -145,7 +153,8 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     next_batch, val_batches, train_bytes = batches(args, rng)
     config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                       d_model=args.d_model, dtype=args.dtype, attention=args.attention)
+                       d_model=args.d_model, dtype=args.dtype, attention=args.attention,
+                       logits_soft_cap=args.logits_soft_cap, sinks=args.sinks)
     model = GPT(config, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -183,6 +192,10 @@ def main(argv=None):
     log = dict(args=vars(args), parameters=int(n_params), device=device.device_kind,
                jax=jax.__version__, tokens_per_s=tokens_per_s, train=history,
                validation=validation)
+    if args.sinks:  # how far the learned sinks moved from their start at 0
+        sinks = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                 if "sinks" in jax.tree_util.keystr(path)]
+        log["sinks_moved"] = float(max(np.max(np.abs(np.asarray(x))) for x in sinks))
     (out_dir / "log.json").write_text(json.dumps(log, indent=1))
     save_plot(out_dir / "loss.png", history, validation,
               f"GPT ({n_params / 1e6:.1f}M), attention={args.attention}, {device.device_kind}")

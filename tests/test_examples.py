@@ -48,6 +48,23 @@ def test_train_gpt2_on_documents(rows, tmp_path):
     assert losses[-1] < losses[0] - 1.0
 
 
+def test_train_gpt2_with_soft_cap_and_learned_sinks(tmp_path):
+    """--logits-soft-cap and --sinks train (the sinks a parameter per head: they move), and
+    --sinks with a jax.nn attention is refused by name."""
+    result = run(str(ROOT / "examples/train_gpt2.py"), "--logits-soft-cap", "5", "--sinks",
+                 "--pack", "--steps", "24", "--eval-every", "12", "--n-layer", "2",
+                 "--seq-len", "64", "--out-dir", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert log["args"]["sinks"] and log["args"]["logits_soft_cap"] == 5.0
+    losses = [entry["loss"] for entry in log["train"]]
+    assert losses[-1] < losses[0] - 1.0
+    assert log["sinks_moved"] > 0
+    refused = run(str(ROOT / "examples/train_gpt2.py"), "--sinks", "--attention", "xla",
+                  "--steps", "1", cwd=tmp_path)
+    assert refused.returncode != 0 and "--sinks" in refused.stderr
+
+
 def test_packed_rows_follow_their_documents():
     """A packed row's segment ids change exactly where the file changes, positions restart
     there, and no loss crosses a file boundary."""
