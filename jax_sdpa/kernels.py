@@ -47,9 +47,11 @@ def backward(config, inputs, output, stats, d_output):
         forward_fn = (reference_kernel.blockwise_forward if config.segments else
                       reference_kernel.forward)
         return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)
-    if config.has_sinks:  # rows the sink took whole are zeros: nothing flows back through them
-        d_output = jnp.where(sinks.rows_kept(stats, inputs["sinks"])[..., None], d_output, 0)
     if config.segments:  # (its exact fallback recomputes the forward, with the sinks)
+        if config.has_sinks and _may_see_nothing(config):
+            # Rows that see no key are the sink's whole (zeros), not the values' mean the
+            # packed backward would grade: nothing flows back through them.
+            d_output = jnp.where(sinks.rows_kept(stats, inputs["sinks"])[..., None], d_output, 0)
         return _packed_backward(config, inputs, output, stats, d_output)
     return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, stats, d_output, config))
 
@@ -111,7 +113,7 @@ def _mean_value(inputs):
 # times a length bound (a fraction of the row). One graph each, built when first used.
 _LENGTH_FRACTIONS = (8, 4, 2, 1)
 _SHORTEST_BOUND = 256
-_ENTRY_FRACTIONS = (32, 8, 1)  # of batch * max_segments, at least `batch`
+_ENTRY_FRACTIONS = (8, 1)  # of batch * max_segments, at least `batch`
 
 
 def _plans(batch, max_segments, q_seq_len, kv_seq_len):

@@ -90,12 +90,16 @@ def soft_cap_reason(logits_soft_cap) -> str | None:
     return None
 
 
-def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
-                    logits_soft_cap=None) -> str | None:
+def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap=None,
+                    bias_grad=False) -> str | None:
     """None if cuDNN's backward takes these sizes on this device, else why not (the limits the
-    cuDNN frontend checks when it builds the backward graph)."""
+    cuDNN frontend checks when it builds the backward graph, and what we measured wrong)."""
     if q_seq_len == 1 and kv_seq_len == 1:
         return "cuDNN's backward does not support one query and one key (T = S = 1)"
+    if logits_soft_cap is not None and bias_grad:
+        # Measured on the H200 (2026-11-30, cuDNN 9.19): dq, dk, dv right, dbias not.
+        return ("cuDNN's bias gradient under logits_soft_cap (a score modifier) was wrong on "
+                "cuDNN 9.19")
     capability = _device_capability() if device_reason() is None else None
     if (logits_soft_cap is not None and capability is not None and
             capability < MIN_SOFT_CAP_BACKWARD_CAPABILITY):
@@ -224,7 +228,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = device_reason() or call_reason(call)
     backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
-                                                   call.logits_soft_cap)
+                                                   call.logits_soft_cap, call.bias is not None)
     if backward is not None and call.dropout_rate > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"

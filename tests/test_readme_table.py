@@ -62,14 +62,25 @@ EXAMPLES = {
         call(query_segment_ids=jnp.zeros((B, T), jnp.int32), is_causal=True),
         call(q_seq=5, query_segment_ids=jnp.zeros((B, 5), jnp.int32),
              kv_segment_ids=jnp.zeros((B, S), jnp.int32), local_window_size=(2, 1), **LENGTHS)],
-    "segment ids with a bias or mask, bottom-right with T ≠ S, or before Hopper": [
+    "segment ids with a bias, mask or logits_soft_cap, bottom-right with T ≠ S, or before Hopper": [
         call(query_segment_ids=jnp.zeros((B, T), jnp.int32), bias=jnp.zeros((1, N, T, S))),
+        call(query_segment_ids=jnp.zeros((B, T), jnp.int32), logits_soft_cap=30.0),
         call(q_seq=5, query_segment_ids=jnp.zeros((B, 5), jnp.int32),
              kv_segment_ids=jnp.zeros((B, S), jnp.int32), **BOTTOM_RIGHT)],
     "one query and one key (T = S = 1)": [call(q_seq=1, kv_seq=1)],
     "value head_dim ≠ query head_dim (each a multiple of 8, ≤ 256)": [
         call(head_dim=192, value_head_dim=128), call(head_dim=64, value_head_dim=256)],
     "deterministic backward": [call()],
+    "logits_soft_cap (cuDNN's score modifier: cuDNN ≥ 9.4, its backward on Hopper or newer)": [
+        call(logits_soft_cap=30.0, is_causal=True),
+        call(logits_soft_cap=5.0, local_window_size=(3, 1), **LENGTHS),
+        call(logits_soft_cap=5.0, mask=jnp.ones((B, 1, 1, S), bool))],
+    "logits_soft_cap with a bias's gradient": [
+        call(logits_soft_cap=30.0, bias=jnp.zeros((1, N, T, S)))],
+    "sinks [N], with their gradient": [
+        call(sinks=jnp.zeros((N,), jnp.float32), is_causal=True),
+        call(sinks=jnp.zeros((N,), jnp.float32), query_segment_ids=jnp.zeros((B, T), jnp.int32),
+             **LENGTHS)],
 }
 
 
@@ -94,7 +105,8 @@ def claimed_as_code_says(claim, example):
         return (ragged is None) == ("ragged layout" in claim), ragged
     q_seq, kv_seq = example.query.shape[1], example.key.shape[1]
     backward = planning.backward_reason(q_seq, kv_seq, example.query.shape[-1],
-                                        example.value.shape[-1])
+                                        example.value.shape[-1], example.logits_soft_cap,
+                                        example.bias is not None)
     return (backward is not None) == ("backward takes the reference" in claim), backward
 
 
