@@ -44,13 +44,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                           precision=None, module=None, force_fp32_for_softmax=False,
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
-                          attn_weights_value_einsum=None, promote_dtype=None, is_causal=False):
+                          attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
+                          logits_soft_cap=None, sinks=None):
     """Flax's attention_fn contract: q ``[batch..., T, N, H]``, k/v ``[batch..., S, K, H]``,
     mask (True = attend) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
-    float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action."""
+    float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action.
+
+    Flax's modules never pass ``logits_soft_cap`` or ``sinks`` (jax_sdpa.dot_product_attention's
+    meaning); bind them: ``functools.partial(jax_sdpa.flax.dot_product_attention,
+    logits_soft_cap=30.0)``. Learned sinks belong to a module of your own (README)."""
     del precision, force_fp32_for_softmax, promote_dtype
     reason = _flax_fallback_reason(module, qk_attn_weights_einsum, attn_weights_value_einsum,
                                    einsum_dot_general)
+    if reason is not None and (logits_soft_cap is not None or sinks is not None):
+        raise NotImplementedError(f"jax_sdpa.flax: logits_soft_cap and sinks need jax_sdpa's "
+                                  f"attention, but {reason}")
     if reason is not None:
         warn_once(f"jax_sdpa.flax: using Flax's attention because {reason}")
         if is_causal:
@@ -71,4 +79,5 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         query, key, value, bias=_fold_leading(bias, batch_shape),
         mask=_fold_leading(mask, batch_shape), is_causal=is_causal,
         dropout_rate=float(dropout_rate) if dropping else 0.0,
-        dropout_rng=dropout_rng if dropping else None)
+        dropout_rng=dropout_rng if dropping else None, logits_soft_cap=logits_soft_cap,
+        sinks=sinks)

@@ -92,6 +92,28 @@ def test_several_batch_axes_with_mask():
     assert relative_error(ours, theirs) < 1e-5
 
 
+def test_soft_cap_and_sinks_bound_with_partial():
+    """Flax passes neither: bound with functools.partial they reach jax_sdpa's attention; with
+    a fallback that cannot honour them the call refuses by name."""
+    import functools  # noqa: PLC0415
+
+    x = inputs(7)
+    sinks = jnp.linspace(-1.0, 1.0, HEADS)
+    bound = functools.partial(jax_sdpa.flax.dot_product_attention, logits_soft_cap=2.0,
+                              sinks=sinks)
+    module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                    rngs=nnx.Rngs(3), attention_fn=bound)
+    out = module(x, is_causal=True)
+    q, k, v = (jnp.einsum("btf,fnh->btnh", x, layer.kernel.value) + layer.bias.value
+               for layer in (module.query, module.key, module.value))
+    direct = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=2.0,
+                                            sinks=sinks)
+    expected = jnp.einsum("btnh,nhf->btf", direct, module.out.kernel.value) + module.out.bias.value
+    assert relative_error(out, expected) < 1e-5
+    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+        bound(q, k, v, module=object())
+
+
 def test_sow_weights_falls_back_to_flax_with_a_warning():
     x = inputs(5)
     module = linen.MultiHeadDotProductAttention(
