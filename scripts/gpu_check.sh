@@ -2,7 +2,8 @@
 # On the GPU machine (the device tool), from the repo root: install carried wheels, build the
 # extension with the machine's own Python, run the whole test suite, then the benchmark.
 #   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark; PACKED=1 adds
-#   the packed-rows benchmark, benchmarks/packed.py)
+#   the packed-rows benchmark, benchmarks/packed.py; MULTIPROCESS=1 the one-process-per-GPU
+#   check, scripts/multiprocess_check.py)
 # Carried wheels live in .whl/ (see docs/DEVELOPING.md); logs go to $OUT when it is set.
 set -uo pipefail
 out="${OUT:-/tmp/jax_sdpa_out}"
@@ -31,6 +32,10 @@ if [ "${TRAIN:-0}" = "1" ]; then
   done
   python3 examples/compare_runs.py /tmp/train-jax_sdpa /tmp/train-jax-cudnn /tmp/train-xla \
     --out "$out/comparison.png"
+fi
+if [ "${MULTIPROCESS:-0}" = "1" ]; then
+  # One process per visible GPU, jax.distributed on localhost (nvidia-h200-x2).
+  python3 scripts/multiprocess_check.py --platform gpu 2>&1 | tail -30
 fi
 if [ "${PACKED:-0}" = "1" ]; then
   timeout "${PACKED_TIMEOUT:-600}" python3 -m benchmarks.packed --out "$out" ${PACKED_ARGS:-} 2>&1 | tail -45
