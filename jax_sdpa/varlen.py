@@ -1,0 +1,86 @@
+"""Attention over packed tokens described by cumulative sequence lengths (flash-attn's varlen and
+TransformerEngine's THD convention), as segment ids on one row: the same code path as
+dot_product_attention's query_segment_ids, so cuDNN's ragged layout on a GPU."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_sdpa.attention import dot_product_attention
+
+
+def _checked_cu_seqlens(cu_seqlens, name, total):
+    given_dtype = getattr(cu_seqlens, "dtype", None)
+    cu = jnp.asarray(cu_seqlens)
+    if (given_dtype if given_dtype is not None else cu.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {given_dtype or cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be int32 [num_sequences + 1] with at least one sequence, "
+                         f"got shape {cu.shape}")
+    if cu.shape[0] - 1 > total:
+        raise ValueError(f"{name} holds {cu.shape[0] - 1} sequences, more than the {total} "
+                         "tokens")
+    return cu
+
+
+def _segment_ids(cu, total):
+    """int32 [1, total]: each token's sequence; tokens at or past cu[-1] get id len(cu) - 1."""
+    return jnp.searchsorted(cu[1:], jnp.arange(total, dtype=jnp.int32),
+                            side="right").astype(jnp.int32)[None]
+
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None,
+                     is_causal=False, local_window_size=None, implementation=None,
+                     return_residual=False, deterministic=False, dropout_rate=0.0,
+                     dropout_rng=None, logits_soft_cap=None, sinks=None):
+    """Attention of each sequence within itself, sequences packed along the token axis.
+
+    Args:
+      query: ``[total_q, N, H]``; key ``[total_kv, K, H]``, value ``[total_kv, K, Hv]``.
+      cu_seqlens_q: int32 ``[num_sequences + 1]``, non-decreasing from 0: sequence i holds
+        query tokens ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1``. Tokens at or past the last
+        entry are padding: their output rows are zeros.
+      cu_seqlens_kv: the same for key/value tokens; None: the queries' (self-attention, and
+        then total_kv must equal total_q).
+      is_causal, local_window_size: within each sequence, from its first token; self-attention
+        only (cu_seqlens_kv None): with keys of their own, flash-attn aligns causal bottom-right
+        per sequence, which segment ids do not express.
+      The other arguments: as dot_product_attention.
+
+    Returns ``[total_q, N, Hv]`` (and with return_residual the float32 lse ``[total_q, N]``).
+    Runs as dot_product_attention with query_segment_ids on one row, max_segments the number of
+    sequences (+1 for padding): on cuDNN's ragged layout each sequence costs its own tokens.
+    """
+    if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+        raise ValueError("varlen_attention takes query [total_q, N, H], key [total_kv, K, H] "
+                         f"and value [total_kv, K, Hv], got shapes {query.shape}, {key.shape}, "
+                         f"{value.shape}")
+    total_q, total_kv = query.shape[0], key.shape[0]
+    cu_q = _checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    if cu_seqlens_kv is None:
+        if total_kv != total_q:
+            raise ValueError(f"cu_seqlens_kv is required when key/value hold other tokens than "
+                             f"the queries ({total_kv} vs {total_q})")
+        cu_kv = cu_q
+    else:
+        if is_causal or local_window_size is not None:
+            raise NotImplementedError("varlen_attention takes is_causal and local_window_size "
+                                      "for self-attention only (cu_seqlens_kv=None)")
+        cu_kv = _checked_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", total_kv)
+        if cu_kv.shape != cu_q.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must count the same sequences, "
+                             f"got shapes {cu_q.shape} and {cu_kv.shape}")
+    q_ids = _segment_ids(cu_q, total_q)
+    kv_ids = None if cu_seqlens_kv is None else _segment_ids(cu_kv, total_kv)
+    result = dot_product_attention(
+        query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+        local_window_size=local_window_size, implementation=implementation,
+        return_residual=return_residual, deterministic=deterministic,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, query_segment_ids=q_ids,
+        kv_segment_ids=kv_ids, max_segments=cu_q.shape[0],
+        query_seq_lengths=cu_q[-1:], key_value_seq_lengths=cu_kv[-1:],
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if return_residual:
+        output, lse = result
+        return output[0], lse[0]
+    return result[0]
