@@ -138,21 +138,27 @@ def _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len
     return q_ids, kv_ids
 
 
+def _python_number(value, name, integral=False, none_allowed=True):
+    """value as a Python int (integral) or float, else a TypeError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else
+                                                 numbers.Real):
+        kind = "int" if integral else "float"
+        raise TypeError(f"{name} must be a Python {kind}{' or None' if none_allowed else ''}, "
+                        f"got {type(value).__name__}")
+    return int(value) if integral else float(value)
+
+
 def _max_segments(max_segments):
     if max_segments is None:
         return DEFAULT_MAX_SEGMENTS
-    if isinstance(max_segments, bool) or not isinstance(max_segments, numbers.Integral):
-        raise TypeError(f"max_segments must be a Python int or None, got "
-                        f"{type(max_segments).__name__}")
+    max_segments = _python_number(max_segments, "max_segments", integral=True)
     if max_segments < 1:
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
-    return int(max_segments)
+    return max_segments
 
 
 def _dropout(dropout_rate, dropout_rng):
-    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real):
-        raise TypeError(f"dropout_rate must be a Python float, got {type(dropout_rate).__name__}")
-    rate = float(dropout_rate)
+    rate = _python_number(dropout_rate, "dropout_rate", none_allowed=False)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     if rate == 0.0:
@@ -173,10 +179,7 @@ def checked_soft_cap(cap):
     """cap as a positive finite float, or None."""
     if cap is None:
         return None
-    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
-        raise TypeError(f"logits_soft_cap must be a Python float or None, got "
-                        f"{type(cap).__name__}")
-    cap = float(cap)
+    cap = _python_number(cap, "logits_soft_cap")
     if not (math.isfinite(cap) and cap > 0.0):
         raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap}")
     return cap
@@ -241,12 +244,10 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
                          f"of key/value heads ({kv_heads})")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        scale = float(scale)
+    else:
+        scale = _python_number(scale, "scale")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    else:
-        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
     target = (batch, q_heads, q_seq_len, kv_seq_len)
     if bias is not None:
         bias = _as_array(bias, "bias")
