@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jax_sdpa
@@ -60,17 +61,33 @@ class CausalSelfAttention(nnx.Module):
         # The sinks start at 0: one token's worth of weight going nowhere.
         self.sinks = nnx.Param(jnp.zeros((config.n_head,), jnp.float32)) if config.sinks else None
 
-    def __call__(self, x, segment_ids=None):
+    def _qkv(self, x):
         batch, seq, features = x.shape
         # Head-major columns ([head, q/k/v, dim]): a tensor-parallel split of the qkv columns
         # over devices is then a split over heads (examples/sharded_training.py).
         qkv = self.qkv(x).reshape(batch, seq, self.n_head, 3, features // self.n_head)
+        return qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+
+    def _variants(self):
         variants = dict(self.variants)
         if self.sinks is not None:
-            variants["sinks"] = self.sinks.value
-        y = ATTENTION[self.attention](qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
-                                      segment_ids, **variants)
-        return self.proj(y.reshape(batch, seq, features))
+            variants["sinks"] = self.sinks[...]
+        return variants
+
+    def __call__(self, x, segment_ids=None):
+        q, k, v = self._qkv(x)
+        y = ATTENTION[self.attention](q, k, v, segment_ids, **self._variants())
+        return self.proj(y.reshape(x.shape))
+
+    def decode(self, x, cache, page_table, start):
+        """The newest tokens x [B, T, D] against a paged KV cache (key_cache, value_cache):
+        their keys and values written at positions start[b].. (left padding has negative
+        positions: dropped), then attention over the first start + T keys. Returns (y, cache)."""
+        q, k, v = self._qkv(x)
+        cache = jax_sdpa.paged_kv_update(*cache, page_table, start, k, v)
+        y = jax_sdpa.paged_attention(q, *cache, page_table, start + x.shape[1],
+                                     **self._variants())
+        return self.proj(y.reshape(x.shape)), cache
 
 
 class Block(nnx.Module):
@@ -85,6 +102,11 @@ class Block(nnx.Module):
     def __call__(self, x, segment_ids=None):
         x = x + self.attn(self.ln1(x), segment_ids)
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+    def decode(self, x, cache, page_table, start):
+        y, cache = self.attn.decode(self.ln1(x), cache, page_table, start)
+        x = x + y
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)))), cache
 
 
 class GPT(nnx.Module):
@@ -107,3 +129,32 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x = block(x, segment_ids)
         return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32)  # tied output layer
+
+    def decode(self, tokens, caches, page_table, start):
+        """Inference with a paged KV cache (examples/generate.py): tokens int32 [B, T], the
+        newest of each sequence, token t of sequence b at position start[b] + t (negative:
+        left padding, ignored); caches: one (key_cache, value_cache) per block, each
+        [pages, page_size, n_head, head_dim]. Returns (logits [B, T, vocab], caches)."""
+        positions = jnp.maximum(start[:, None] + jnp.arange(tokens.shape[1])[None, :], 0)
+        x = self.token_embed(tokens) + self.position_embed(positions)
+        new_caches = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.decode(x, cache, page_table, start)
+            new_caches.append(cache)
+        return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32), new_caches
+
+
+def save_parameters(path, params):
+    """The model's parameters (an nnx.State) as one .npz, keyed by their tree paths."""
+    np.savez(path, **{jax.tree_util.keystr(key): np.asarray(leaf)
+                      for key, leaf in jax.tree_util.tree_leaves_with_path(params)})
+
+
+def load_parameters(path, model):
+    """model with the parameters save_parameters wrote (same config)."""
+    graphdef, state = nnx.split(model)
+    stored = np.load(path)
+    leaves = [jnp.asarray(stored[jax.tree_util.keystr(key)])
+              for key, _ in jax.tree_util.tree_leaves_with_path(state)]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state),
+                                                            leaves))

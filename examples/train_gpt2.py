@@ -12,7 +12,8 @@ windows too, but each file is a document of its own (segment ids: tokens attend 
 file, positions restart at its first token, no loss across a file boundary); "padded" rows hold
 one file each from its start, padded. tokens/s counts the tokens that carry a loss.
 
-Writes <out-dir>/log.json (config, losses, tokens/s) and <out-dir>/loss.png.
+Writes <out-dir>/log.json (config, losses, tokens/s), <out-dir>/loss.png and
+<out-dir>/params.npz (the trained parameters: examples/generate.py samples from them).
 """
 
 import argparse
@@ -30,7 +31,7 @@ from flax import nnx
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt2_model import ATTENTION, GPT, GPTConfig  # noqa: E402
+from gpt2_model import ATTENTION, GPT, GPTConfig, save_parameters  # noqa: E402
 from stdlib_text import (DocumentStream, load_stdlib_bytes, load_stdlib_documents,  # noqa: E402
                          random_batch, train_validation_split)
 
@@ -197,6 +198,7 @@ def main(argv=None):
                  if "sinks" in jax.tree_util.keystr(path)]
         log["sinks_moved"] = float(max(np.max(np.abs(np.asarray(x))) for x in sinks))
     (out_dir / "log.json").write_text(json.dumps(log, indent=1))
+    save_parameters(out_dir / "params.npz", params)  # examples/generate.py reads them
     save_plot(out_dir / "loss.png", history, validation,
               f"GPT ({n_params / 1e6:.1f}M), attention={args.attention}, {device.device_kind}")
     rate = f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a"

@@ -9,9 +9,11 @@ _check_jax(_jax.__version__)
 from jax_sdpa._ffi import (cudnn_version, export_disabled_checks, graph_cache_stats,
                            register_ffi_targets)
 from jax_sdpa.attention import dot_product_attention
+from jax_sdpa.paged import paged_attention, paged_kv_update
 from jax_sdpa.reference import attention_reference
 from jax_sdpa.varlen import varlen_attention
 
-__all__ = ["dot_product_attention", "varlen_attention", "attention_reference", "cudnn_version",
+__all__ = ["dot_product_attention", "varlen_attention", "paged_attention", "paged_kv_update",
+           "attention_reference", "cudnn_version",
            "export_disabled_checks", "graph_cache_stats", "register_ffi_targets"]
 __version__ = "0.1.0"

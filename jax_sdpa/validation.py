@@ -101,7 +101,7 @@ def _seq_lengths(lengths, batch, name):
     return None if lengths is None else _int32_array(lengths, name, (batch,), "[batch]")
 
 
-def _window(local_window_size):
+def checked_window(local_window_size):
     if local_window_size is None:
         return None
     if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
@@ -266,7 +266,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         is_causal=bool(is_causal),
         query_seq_lengths=_seq_lengths(query_seq_lengths, batch, "query_seq_lengths"),
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
-        local_window_size=_window(local_window_size),
+        local_window_size=checked_window(local_window_size),
         output_shape=output_shape,
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
         dropout_rate=rate, dropout_rng=rng, query_segment_ids=q_ids, kv_segment_ids=kv_ids,

@@ -9,7 +9,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_sdpa"
 
 # Top to bottom. A new module gets a place here.
 LAYERS = [
-    {"__init__", "flax", "ring", "varlen"},              # entry points
+    {"__init__", "flax", "ring", "varlen", "paged"},     # entry points
     {"attention"},                                       # dot_product_attention
     {"fused_path"},                                      # a call's cuDNN pre/post-processing
     {"planning"},                                        # cuDNN or not, and the KernelConfig

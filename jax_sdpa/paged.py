@@ -1,0 +1,200 @@
+"""Attention over a paged KV cache (decoding and chunked prefill) and the helper that writes new
+keys and values into their pages.
+
+Keys and values live in a pool of fixed-size pages shared by every sequence; a page table lists
+each sequence's pages in order. The T newest tokens of each sequence attend causally, aligned
+bottom-right: query i of sequence b sits at position kv_lengths[b] - T + i and sees the keys
+up to it. Forward only (inference).
+
+Today this runs the reference path (gather the pages, then attention with the same semantics on
+any backend); cuDNN's paged forward (page tables in the SDPA graph, cuDNN >= 9.5) is the next
+step (issue 18), so implementation="cudnn" says it is not there yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import validation
+from jax_sdpa.reference import attention_reference
+
+
+def _int32(array, name, ndim):
+    given_dtype = getattr(array, "dtype", None)
+    array = jnp.asarray(array)
+    if (given_dtype if given_dtype is not None else array.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {array.shape}")
+    return array
+
+
+def _check_caches(key_cache, value_cache):
+    if key_cache.ndim != 4 or value_cache.ndim != 4:
+        raise ValueError("key_cache and value_cache must be [pages, page_size, K, H] and "
+                         f"[pages, page_size, K, Hv], got {key_cache.shape} and "
+                         f"{value_cache.shape}")
+    if key_cache.shape[:3] != value_cache.shape[:3]:
+        raise ValueError(f"key_cache {key_cache.shape} and value_cache {value_cache.shape} must "
+                         "share pages, page_size and heads")
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(f"key_cache and value_cache must share a dtype, got {key_cache.dtype} "
+                        f"and {value_cache.dtype}")
+
+
+def _check_lengths_fit(kv_lengths, capacity, name):
+    """Where the lengths are concrete (not traced), none may pass the pages' capacity."""
+    try:
+        longest = int(jnp.max(kv_lengths))
+    except jax.errors.ConcretizationTypeError:
+        return
+    if longest > capacity:
+        raise ValueError(f"{name} holds {longest}, more than max_pages * page_size = "
+                         f"{capacity}")
+
+
+def _gathered(cache, page_table):
+    """[B, max_pages * page_size, K, H]: each sequence's pages in order. Entries past a
+    sequence's last page may hold any value: clamped into the pool, their keys are masked."""
+    pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
+    gathered = cache[pages]  # [B, max_pages, page_size, K, H]
+    return gathered.reshape(gathered.shape[0], -1, *gathered.shape[3:])
+
+
+def _visible(q_seq_len, kv_seq_len, kv_lengths, window):
+    """bool [B, 1, T, S]: key j seen by query i of sequence b (position kv_lengths[b] - T + i):
+    j <= position, j < kv_lengths[b], and inside the window."""
+    position = kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]  # [B, T]
+    keys = jnp.arange(kv_seq_len)[None, None, :]
+    seen = (keys <= position[..., None]) & (keys < kv_lengths[:, None, None])
+    if window is not None:
+        left, right = window
+        seen &= keys >= position[..., None] - left
+        seen &= keys <= position[..., None] + right
+    return seen[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward_only(scale, logits_soft_cap, query, key, value, mask, sinks, has_rows):
+    output, _ = attention_reference(query, key, value, None, mask, scale=scale,
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
+    # Queries that see no key (a sequence holding fewer keys than T) are zeros.
+    return jnp.where(has_rows[..., None, None], output, jnp.zeros((), output.dtype))
+
+
+def _forward_only_fwd(scale, logits_soft_cap, *arrays):
+    return _forward_only(scale, logits_soft_cap, *arrays), None
+
+
+def _forward_only_bwd(*_):
+    raise NotImplementedError("paged_attention is forward only (inference): it has no "
+                              "gradient; train with dot_product_attention")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, scale=None,
+                    local_window_size=None, logits_soft_cap=None, sinks=None,
+                    implementation=None):
+    """Attention of the T newest tokens of each sequence over its keys in a paged cache.
+
+    Args:
+      query: ``[B, T, N, H]``; T = 1 when decoding, more for chunked prefill. Query i of
+        sequence b sits at position ``kv_lengths[b] - T + i`` and sees the keys up to it.
+      key_cache: ``[P, page_size, K, H]``, value_cache ``[P, page_size, K, Hv]``: the page
+        pool; N a multiple of K (GQA / MQA).
+      page_table: int32 ``[B, max_pages]``: each sequence's pages, in order. Entries past a
+        sequence's last page are ignored (any value). Indices of used pages out of [0, P) are
+        a user error that is not checked on the device: they read a clamped page.
+      kv_lengths: int32 ``[B]``: valid keys per sequence, the T new ones included (write them
+        first: paged_kv_update). At most ``max_pages * page_size`` (checked when concrete). A
+        query whose position is negative (kv_lengths[b] < T) sees nothing and gives zeros.
+      scale, local_window_size (w or (left, right) around the query's position),
+      logits_soft_cap, sinks: as dot_product_attention.
+      implementation: None or "xla" (the reference path); "cudnn" raises NotImplementedError
+        until cuDNN's paged kernel is built.
+
+    Returns ``[B, T, N, Hv]``. Forward only: differentiating it raises NotImplementedError.
+    """
+    if implementation not in (None, "xla", "cudnn"):
+        raise ValueError(f"implementation must be None, 'xla' or 'cudnn', got "
+                         f"{implementation!r}")
+    if implementation == "cudnn":
+        raise NotImplementedError("implementation='cudnn' cannot run paged_attention yet: "
+                                  "cuDNN's paged kernel is not built (the reference path runs "
+                                  "with implementation=None)")
+    query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
+    if query.ndim != 4:
+        raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
+    _check_caches(key_cache, value_cache)
+    batch, q_seq_len, q_heads, head_dim = query.shape
+    _, page_size, kv_heads, key_dim = key_cache.shape
+    if key_dim != head_dim:
+        raise ValueError(f"query and key_cache must have the same head_dim, got {head_dim} and "
+                         f"{key_dim}")
+    if q_heads % kv_heads:
+        raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the "
+                         f"number of key/value heads ({kv_heads})")
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query and the caches must share a dtype, got {query.dtype} and "
+                        f"{key_cache.dtype}")
+    page_table = _int32(page_table, "page_table", 2)
+    kv_lengths = _int32(kv_lengths, "kv_lengths", 1)
+    if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
+        raise ValueError(f"page_table [B, max_pages] and kv_lengths [B] must have B = {batch}, "
+                         f"got {page_table.shape} and {kv_lengths.shape}")
+    _check_lengths_fit(kv_lengths, page_table.shape[1] * page_size, "kv_lengths")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    window = validation.checked_window(local_window_size)
+    cap = validation.checked_soft_cap(logits_soft_cap)
+    sinks = validation.checked_sinks(sinks, q_heads, query.dtype)
+    key, value = _gathered(key_cache, page_table), _gathered(value_cache, page_table)
+    mask = _visible(q_seq_len, key.shape[1], kv_lengths, window)
+    has_rows = jnp.any(mask[:, 0], axis=-1)  # [B, T]
+    return _forward_only(scale, cap, query, key, value, mask, sinks, has_rows)
+
+
+def paged_kv_update(key_cache, value_cache, page_table, start, key, value, lengths=None):
+    """Writes new keys and values into their pages: returns (key_cache, value_cache).
+
+    key ``[B, T, K, H]``, value ``[B, T, K, Hv]``: token t of sequence b goes to position
+    ``start[b] + t`` (start int32 [B]: the sequence's length before these tokens), i.e. page
+    ``page_table[b, p // page_size]``, slot ``p % page_size``. lengths (int32 [B], optional):
+    only the first lengths[b] tokens of sequence b are written (chunks of different lengths).
+    Negative positions (left padding: start[b] < 0) and positions past
+    ``max_pages * page_size`` are dropped. The new kv_lengths are start + T (or
+    start + lengths). Under jit, donate the caches to update them in place.
+    """
+    key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
+    _check_caches(key_cache, value_cache)
+    page_table = _int32(page_table, "page_table", 2)
+    start = _int32(start, "start", 1)
+    key, value = jnp.asarray(key), jnp.asarray(value)
+    batch, new_tokens = key.shape[:2]
+    if key.shape[2:] != key_cache.shape[2:] or value.shape[2:] != value_cache.shape[2:]:
+        raise ValueError(f"key {key.shape} / value {value.shape} must be [B, T] + the caches' "
+                         f"[K, H] {key_cache.shape[2:]} / {value_cache.shape[2:]}")
+    if page_table.shape[0] != batch or start.shape != (batch,) or value.shape[:2] != (
+            batch, new_tokens):
+        raise ValueError(f"page_table {page_table.shape}, start {start.shape}, key "
+                         f"{key.shape} and value {value.shape} must share B = {batch}")
+    page_size = key_cache.shape[1]
+    positions = start[:, None] + jnp.arange(new_tokens)[None, :]  # [B, T]
+    capacity = page_table.shape[1] * page_size
+    keep = (positions >= 0) & (positions < capacity)
+    if lengths is not None:
+        lengths = _int32(lengths, "lengths", 1)
+        keep &= jnp.arange(new_tokens)[None, :] < lengths[:, None]
+    page_index = jnp.clip(jnp.maximum(positions, 0) // page_size, 0, page_table.shape[1] - 1)
+    pages = jnp.take_along_axis(page_table, page_index, axis=1)
+    # Dropped tokens point past the pool: mode="drop" leaves the cache as it was there.
+    pages = jnp.where(keep, pages, key_cache.shape[0])
+    slots = positions % page_size
+    key_cache = key_cache.at[pages, slots].set(key.astype(key_cache.dtype), mode="drop")
+    value_cache = value_cache.at[pages, slots].set(value.astype(value_cache.dtype), mode="drop")
+    return key_cache, value_cache
