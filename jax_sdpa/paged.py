@@ -14,7 +14,6 @@ step (issue 18), so implementation="cudnn" says it is not there yet.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +148,7 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
         raise ValueError(f"page_table [B, max_pages] and kv_lengths [B] must have B = {batch}, "
                          f"got {page_table.shape} and {kv_lengths.shape}")
     _check_lengths_fit(kv_lengths, page_table.shape[1] * page_size, "kv_lengths")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = validation.checked_scale(scale, head_dim)
     window = validation.checked_window(local_window_size)
     cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, q_heads, query.dtype)

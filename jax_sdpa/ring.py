@@ -20,7 +20,6 @@ the blocks after its own.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -284,7 +283,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = validation.checked_scale(scale, query.shape[-1])
     logits_soft_cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, query.shape[2], query.dtype)
     implementation = _implementation(query, key, value, implementation,

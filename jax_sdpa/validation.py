@@ -148,6 +148,16 @@ def _python_number(value, name, integral=False, none_allowed=True):
     return int(value) if integral else float(value)
 
 
+def checked_scale(scale, head_dim):
+    """The score scale: 1 / sqrt(head_dim) by default, else a finite Python float."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = _python_number(scale, "scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
 def _max_segments(max_segments):
     if max_segments is None:
         return DEFAULT_MAX_SEGMENTS
@@ -242,12 +252,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the number "
                          f"of key/value heads ({kv_heads})")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    else:
-        scale = _python_number(scale, "scale")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = checked_scale(scale, head_dim)
     target = (batch, q_heads, q_seq_len, kv_seq_len)
     if bias is not None:
         bias = _as_array(bias, "bias")
