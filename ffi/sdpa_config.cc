@@ -19,7 +19,8 @@ auto Fields(const SdpaConfig& c) {
   return std::make_tuple(static_cast<int32_t>(c.direction), c.device,
                          static_cast<int32_t>(c.element_type), c.batch, c.q_seq_len,
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
-                         FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left, c.window_right, c.bottom_right,
+                         FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left,
+                         c.window_right, c.bottom_right,
                          c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.bias_batch,
                          c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout));
 }
