@@ -1,0 +1,89 @@
+"""Where a GPT-2 training step's time goes, per way of cutting rows (windows, packed, padded).
+
+    python -m benchmarks.train_profile [--rows windows packed padded] [--steps 10] [--trace DIR]
+
+Builds examples/train_gpt2.py's step (gpt2 preset unless told otherwise), runs a few warm-up
+steps, then times single steps (each waited for) and prints the median, the spread and the
+first steps' times (graph builds show up there). With --trace, also traces two warm steps per
+mode with jax.profiler and prints the GPU time per kernel name and the GPU-busy share of the
+wall time: a step far longer than its kernels waits on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+import train_gpt2  # noqa: E402
+from gpt2_model import GPT, GPTConfig  # noqa: E402
+from benchmarks.packed_compile import kernel_times  # noqa: E402
+
+
+def _step_and_batches(rows, extra):
+    args = train_gpt2.parse_args(["--rows", rows, *extra])
+    rng = np.random.default_rng(args.seed)
+    next_batch, _, _ = train_gpt2.batches(args, rng)
+    config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                       d_model=args.d_model, dtype=args.dtype, attention=args.attention)
+    from flax import nnx  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    graphdef, params = nnx.split(GPT(config, nnx.Rngs(args.seed)))
+    optimizer = optax.adamw(1e-4)
+    opt_state = optimizer.init(params)
+    train_step, _ = train_gpt2.make_train_step(graphdef, optimizer)
+    return train_step, next_batch, params, opt_state
+
+
+def profile(rows, steps, extra, trace_dir=None):
+    train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
+    seconds, tokens = [], 0
+    for step in range(steps + 3):
+        x, y, batch_rows, count = next_batch()
+        start = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
+        float(loss)
+        seconds.append(time.perf_counter() - start)
+        tokens += count if step >= 3 else 0
+    timed = seconds[3:]
+    print(f"{rows}: first steps {', '.join(f'{s * 1e3:.0f}' for s in seconds[:3])} ms; then "
+          f"median {statistics.median(timed) * 1e3:.1f} ms, min {min(timed) * 1e3:.1f}, max "
+          f"{max(timed) * 1e3:.1f} over {len(timed)} steps; {tokens / sum(timed):,.0f} "
+          "loss-carrying tokens/s", flush=True)
+    print(f"  per step (ms): {' '.join(f'{s * 1e3:.0f}' for s in timed)}", flush=True)
+    if trace_dir:
+        directory = f"{trace_dir}/{rows}"
+        batches = [next_batch() for _ in range(2)]
+        start = time.perf_counter()
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            for x, y, batch_rows, _ in batches:
+                params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
+                float(loss)
+        wall = time.perf_counter() - start
+        totals, counts = kernel_times(directory)
+        busy = sum(totals.values()) / 1e6
+        print(f"  traced 2 steps: wall {wall * 1e3:.0f} ms (tracing included), GPU kernels "
+              f"{busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
+        for kernel, micros in totals.most_common(15):
+            print(f"    {micros:9.0f} µs {counts[kernel]:5d}  {kernel[:110]}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=["windows", "packed", "padded"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--trace", default=None, help="a directory for jax.profiler traces")
+    args, extra = parser.parse_known_args(argv)  # the rest goes to train_gpt2's parser
+    for rows in args.rows:
+        profile(rows, args.steps, extra, args.trace)
+
+
+if __name__ == "__main__":
+    main()
