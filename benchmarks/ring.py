@@ -1,11 +1,13 @@
 """Long-sequence causal attention, forward + backward: ring attention over every visible GPU
 (zigzag and contiguous layouts) against one GPU running the whole sequence.
 
-    python -m benchmarks.ring [--seq 65536] [--heads 16] [--head-dim 128] [--rounds 5]
+    python -m benchmarks.ring [--seq 65536] [--heads 16] [--kv-heads 16] [--head-dim 128]
+                              [--rounds 5] [--trace DIR]
 
 Reports ms per fwd+bwd, the speed-up over one GPU, and the ring's efficiency: (one GPU's time /
 devices) / ring time, 1.0 when communication hides entirely behind compute and the causal work
-is balanced.
+is balanced. With --trace, a jax.profiler trace of each ring's step goes to DIR and the GPU
+time per kernel name (both GPUs' timelines summed) is printed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_sdpa
 from jax_sdpa.ring import ring_attention
+from benchmarks.packed_compile import kernel_times
 
 
 def fwd_bwd(attention):
@@ -45,19 +48,25 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--implementation", default="cudnn", help="xla: a CPU dry run")
     args = parser.parse_args(argv)
     devices = jax.devices()
-    shape = (1, args.seq, args.heads, args.head_dim)
+    kv_heads = args.kv_heads or args.heads
+    q_shape = (1, args.seq, args.heads, args.head_dim)
+    kv_shape = (1, args.seq, kv_heads, args.head_dim)
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, d_out = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
-                      for key in keys)
+                      for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape)))
     single = fwd_bwd(lambda q, k, v: jax_sdpa.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn"))
+        q, k, v, is_causal=True, implementation=args.implementation))
     one_gpu = timed(single, (q, k, v, d_out), args.rounds)
     print(f"{time.strftime('%Y-%m-%d')}, {len(devices)} x {devices[0].device_kind}, cuDNN "
-          f"{jax_sdpa.cudnn_version()}, B=1 S={args.seq} N={args.heads} H={args.head_dim} "
+          f"{jax_sdpa.cudnn_version()}, B=1 S={args.seq} N={args.heads} K={kv_heads} "
+          f"H={args.head_dim} "
           "bf16 causal, fwd+bwd")
     print(f"| run | ms | speed-up over 1 GPU | ring efficiency |\n|---|---|---|---|\n"
           f"| 1 GPU, jax_sdpa | {one_gpu * 1e3:.2f} | 1.00 | – |")
@@ -69,11 +78,26 @@ def main(argv=None):
     for layout in ("zigzag", "contiguous"):
         ring = fwd_bwd(jax.shard_map(
             functools.partial(ring_attention, axis_name="seq", is_causal=True, layout=layout,
-                              implementation="cudnn"),
+                              implementation=args.implementation),
             mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq")))
         seconds = timed(ring, sharded, args.rounds)
         print(f"| ring over {len(devices)} GPUs, {layout} | {seconds * 1e3:.2f} | "
-              f"{one_gpu / seconds:.2f} | {one_gpu / len(devices) / seconds:.2f} |")
+              f"{one_gpu / seconds:.2f} | {one_gpu / len(devices) / seconds:.2f} |", flush=True)
+        if args.trace:
+            print_trace(ring, sharded, f"{args.trace}/{layout}", seconds)
+
+
+def print_trace(fn, args, directory, seconds):
+    """One traced step: GPU time per kernel name, summed over every GPU's timeline, against
+    the step's wall time on each GPU."""
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+    totals, counts = kernel_times(directory)
+    devices = len(jax.devices())
+    print(f"  trace: kernels {sum(totals.values()) / 1e3 / devices:.2f} ms per GPU against a "
+          f"{seconds * 1e3:.2f} ms step")
+    for kernel, micros in totals.most_common(14):
+        print(f"    {micros / 1e3 / devices:8.2f} ms/GPU {counts[kernel]:5d}  {kernel[:100]}")
 
 
 if __name__ == "__main__":
