@@ -21,7 +21,8 @@ auto Fields(const SdpaConfig& c) {
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
                          FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left,
                          c.window_right, c.bottom_right,
-                         c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.bias_batch,
+                         c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.page_size,
+                         c.num_pages, c.bias_batch,
                          c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout));
 }
 
@@ -46,6 +47,10 @@ std::string SdpaConfig::ToString() const {
   if (ragged) {
     out << ", ragged documents (tokens: " << total_q_tokens << " query, " << total_kv_tokens
         << " key/value)";
+  }
+  if (page_size > 0) {
+    out << ", paged K/V (" << num_pages << " pages of " << page_size << " tokens, "
+        << kv_seq_len / page_size << " per sequence)";
   }
   if (bias_batch > 0) {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "

@@ -43,6 +43,12 @@ struct SdpaConfig {
   bool ragged = false;
   int64_t total_q_tokens = 0;
   int64_t total_kv_tokens = 0;
+  // A paged K/V cache (forward only): keys and values live in a pool of `num_pages` pages of
+  // `page_size` tokens, [num_pages, page_size, kv_heads, dim] in memory; an int32 [batch,
+  // kv_seq_len / page_size] table lists each sequence's pages in order, and kv_seq_len is the
+  // table's capacity in tokens (padding is on: the lengths say how many are valid). 0: not paged.
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias

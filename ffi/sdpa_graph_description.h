@@ -35,6 +35,8 @@ enum TensorUid : int64_t {
   kVOffsets,
   kOOffsets,  // O and dO
   kStatsOffsets,
+  kKPageTable,  // paged K/V: int32 [batch, pages per sequence]; one table serves K and V
+  kVPageTable,
 };
 
 // The forward or backward graph (config.direction) of `config`.

@@ -41,6 +41,24 @@ TensorPtr AddBshdTensor(fe::graph::Graph& graph, const char* name, int64_t uid,
   return tensor;
 }
 
+// A paged cache: logical [pages, kv_heads, page_size, dim] over [pages, page_size, kv_heads,
+// dim] memory (each page is a small BSHD block, as the caller's cache is laid out).
+TensorPtr AddPagedCache(fe::graph::Graph& graph, const char* name, int64_t uid,
+                        const SdpaConfig& c, int64_t dim) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({c.num_pages, c.kv_heads, c.page_size, dim})
+                          .set_stride({c.page_size * c.kv_heads * dim, dim, c.kv_heads * dim, 1}));
+}
+
+// The keys' (or values') tensor: the batch's [batch, seq, heads, dim] rows or a page pool.
+TensorPtr AddKeySide(fe::graph::Graph& graph, const char* name, int64_t uid, const SdpaConfig& c,
+                     int64_t dim, const TensorPtr& ragged_offsets) {
+  if (c.page_size > 0) return AddPagedCache(graph, name, uid, c, dim);
+  return AddBshdTensor(graph, name, uid, c, KeySide(c, dim), ragged_offsets);
+}
+
 void SetBshdOutput(const TensorPtr& tensor, int64_t uid, const SdpaConfig& c, BshdShape shape,
                    const TensorPtr& ragged_offsets) {
   tensor->set_output(true).set_uid(uid);
@@ -177,17 +195,36 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& sof
   }
 }
 
+// Paged K/V: each sequence's pages through one table (as [batch, 1, pages, 1]) for K and V.
+template <typename Options>
+void SetPageTables(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) {
+  if (c.page_size == 0) return;
+  int64_t pages = c.kv_seq_len / c.page_size;
+  auto table = [&](const char* name, int64_t uid) {
+    return graph.tensor(fe::graph::Tensor_attributes()
+                            .set_name(name)
+                            .set_uid(uid)
+                            .set_dim({c.batch, 1, pages, 1})
+                            .set_stride({pages, pages, 1, 1})
+                            .set_data_type(fe::DataType_t::INT32));
+  };
+  options.set_paged_attention_k_table(table("k_page_table", kKPageTable))
+      .set_paged_attention_v_table(table("v_page_table", kVPageTable))
+      .set_paged_attention_max_seq_len_kv(static_cast<int>(c.kv_seq_len));
+}
+
 std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
   auto graph = NewGraph(c);
   OffsetTensors offsets = AddOffsets(*graph, c);
   auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim), offsets.q);
-  auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim), offsets.k);
-  auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v), offsets.v);
+  auto k = AddKeySide(*graph, "K", kK, c, c.head_dim, offsets.k);
+  auto v = AddKeySide(*graph, "V", kV, c, c.head_dim_v, offsets.v);
   auto options = fe::graph::SDPA_attributes()
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(c.scale);
   SetMasking(*graph, c, AddSoftCap(*graph, c), options);
+  SetPageTables(*graph, c, options);
   auto [o, stats] = graph->sdpa(q, k, v, options);
   SetBshdOutput(o, kO, c, QuerySide(c, c.head_dim_v), offsets.o);
   stats->set_output(true);
@@ -255,6 +292,10 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
     pack[kVOffsets] = Mutable(in.offsets.v);
     pack[kOOffsets] = Mutable(in.offsets.o);
     pack[kStatsOffsets] = Mutable(in.offsets.stats);
+  }
+  if (c.page_size > 0) {
+    pack[kKPageTable] = Mutable(in.page_table);
+    pack[kVPageTable] = Mutable(in.page_table);
   }
   if (c.dropout > 0) {
     pack[kDropoutSeed] = Mutable(in.dropout_seed);

@@ -23,8 +23,8 @@ struct RaggedOffsets {
   const void* stats = nullptr;
 };
 
-// Inputs shared by both directions; bias, the int32 [batch] lengths, the ragged offsets and the
-// dropout seed only where the config has them (nullptr otherwise). dropout_seed holds two
+// Inputs shared by both directions; bias, the int32 [batch] lengths, the ragged offsets, the page
+// table and the dropout seed only where the config has them (nullptr otherwise). dropout_seed holds two
 // int64: Philox seed, then offset.
 struct AttentionInputs {
   const void* q = nullptr;
@@ -34,6 +34,7 @@ struct AttentionInputs {
   const void* q_lengths = nullptr;
   const void* kv_lengths = nullptr;
   RaggedOffsets offsets;
+  const void* page_table = nullptr;  // paged K/V: int32 [batch, pages per sequence]
   const void* dropout_seed = nullptr;
 };
 

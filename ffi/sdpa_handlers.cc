@@ -28,6 +28,7 @@
   SEP X(bool, ragged) /* packed documents: lengths per document, offsets */          \
   SEP X(int64_t, max_document_q)  /* ragged: the longest document's queries; 0: T */  \
   SEP X(int64_t, max_document_kv) /* and keys; 0: S */                                \
+  SEP X(bool, paged) /* forward: K/V page pools and a page table */                  \
   SEP X(bool, bias_grad)                                                             \
   SEP X(bool, deterministic)                                                         \
   SEP X(float, dropout)                                                              \
@@ -92,9 +93,9 @@ ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const ch
 }
 
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
-// [dropout_seed].
+// [page_table], [dropout_seed].
 struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, dropout_seed;
+  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed;
 };
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
@@ -110,7 +111,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
                                                 const Options& options) {
   bool has_dropout = options.dropout > 0;
   size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
-                    (options.ragged ? 1 : 0) + (has_dropout ? 1 : 0);
+                    (options.ragged ? 1 : 0) + (options.paged ? 1 : 0) + (has_dropout ? 1 : 0);
   if (rest.size() != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
                                    " optional operands, got " + std::to_string(rest.size()))};
@@ -129,6 +130,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_lengths));
   }
   if (options.ragged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.offsets));
+  if (options.paged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.page_table));
   if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
   return inputs;
 }
@@ -271,6 +273,63 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   return plan;
 }
 
+// A paged forward: q [B, T, N, H]; key and value page pools [pages, page_size, K, H|Hv];
+// int32 [B] lengths (queries, keys) and page table [B, pages per sequence]. No bias, dropout,
+// ragged layout or vmapped axes (Python sends none).
+ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
+                                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                     const ffi::RemainingArgs& rest, const Options& options) {
+  CallPlan plan;
+  JAX_SDPA_ASSIGN_OR_RETURN(plan.optional, ReadOptionalInputs(rest, options));
+  if (!options.has_lengths || options.ragged || options.has_bias || options.dropout > 0) {
+    return Failure{InvalidArgument("a paged call takes lengths and a page table, and no bias, "
+                                   "dropout or ragged layout")};
+  }
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto vd = v.dimensions();
+  const ffi::AnyBuffer& table = *plan.optional.page_table;
+  auto td = table.dimensions();
+  SdpaConfig& c = plan.config;
+  c.direction = Direction::kForward;
+  c.device = device;
+  JAX_SDPA_ASSIGN_OR_RETURN(c.element_type, ReadElementType(q, "query"));
+  JAX_SDPA_ASSIGN_OR_RETURN(ElementType k_type, ReadElementType(k, "key cache"));
+  JAX_SDPA_ASSIGN_OR_RETURN(ElementType v_type, ReadElementType(v, "value cache"));
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 ||
+      k_type != c.element_type || v_type != c.element_type || kd[0] != vd[0] ||
+      kd[1] != vd[1] || kd[2] != vd[2] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 ||
+      td[0] != qd[0] || table.element_type() != ffi::DataType::S32) {
+    return Failure{InvalidArgument("query " + DimsToString(qd) + ", key cache " +
+                                   DimsToString(kd) + ", value cache " + DimsToString(vd) +
+                                   " and page table " + DimsToString(td) +
+                                   " do not form one paged attention problem")};
+  }
+  c.batch = qd[0];
+  c.q_seq_len = qd[1];
+  c.q_heads = qd[2];
+  c.head_dim = qd[3];
+  c.num_pages = kd[0];
+  c.page_size = kd[1];
+  c.kv_heads = kd[2];
+  c.head_dim_v = vd[3];
+  c.kv_seq_len = td[1] * c.page_size;
+  for (const ffi::AnyBuffer* lengths : {&*plan.optional.q_lengths, &*plan.optional.kv_lengths}) {
+    if (lengths->element_type() != ffi::DataType::S32 ||
+        static_cast<int64_t>(lengths->element_count()) != c.batch) {
+      return Failure{InvalidArgument("sequence lengths must be int32 [batch], got " +
+                                     DimsToString(lengths->dimensions()))};
+    }
+  }
+  c.scale = options.scale;
+  c.soft_cap = options.soft_cap;
+  c.window_left = options.window_left;
+  c.window_right = options.window_right;
+  c.bottom_right = options.bottom_right;
+  c.padding = true;
+  return plan;
+}
+
 // The output (and its cotangent): the query's shape with the value's head_dim.
 std::vector<int64_t> OutputDims(const ffi::AnyBuffer& q, const SdpaConfig& c) {
   std::vector<int64_t> dims = ToVector(q.dimensions());
@@ -375,6 +434,7 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     in.offsets = {rows, rows + plan.offsets_row, rows + 2 * plan.offsets_row,
                   rows + 3 * plan.offsets_row, rows + 4 * plan.offsets_row};
   }
+  if (optional.page_table) in.page_table = optional.page_table->untyped_data();
   if (optional.dropout_seed) in.dropout_seed = Slice(*optional.dropout_seed, r, repeats);
   return in;
 }
@@ -384,8 +444,10 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> stats, Options options) {
   try {
-    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
-                              PlanCall(Direction::kForward, device, q, k, v, rest, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(
+        CallPlan plan, options.paged
+                           ? PlanPagedCall(device, q, k, v, rest, options)
+                           : PlanCall(Direction::kForward, device, q, k, v, rest, options));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
@@ -413,6 +475,7 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::RemainingRets extra_results, Options options) {
   try {
+    if (options.paged) return InvalidArgument("paged attention has no backward");
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
                               PlanCall(Direction::kBackward, device, q, k, v, rest, options));
     const SdpaConfig& c = plan.config;
@@ -486,7 +549,7 @@ auto AttentionBinding() {
 
 auto ForwardBinding() {
   return AttentionBinding()
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [seed]
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [page_table], [seed]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
       .Attrs<Options>();
@@ -497,7 +560,7 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [seed]
+      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [page_table], [seed]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv

@@ -210,3 +210,22 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
                                        max_document=max_document)
     results = _varying_like(call(*operands, **attributes), operands)
     return (*results[:3], results[3] if with_dbias else None)
+
+
+def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, page_table, config):
+    """cuDNN forward over a paged K/V cache: (output [B, T, N, Hv], stats float32 [B, N, T]).
+
+    key_cache [P, page_size, K, H], value_cache [P, page_size, K, Hv]: the page pools;
+    page_table int32 [B, max_pages]; q_lengths and kv_lengths int32 [B] (cuDNN's padding
+    mask: the band is measured from each sequence's actual lengths)."""
+    _register_targets()
+    batch, q_seq_len, q_heads, _ = query.shape
+    result_types = (
+        jax.ShapeDtypeStruct((batch, q_seq_len, q_heads, value_cache.shape[-1]), query.dtype),
+        jax.ShapeDtypeStruct((batch, q_heads, q_seq_len), jnp.float32),
+    )
+    # The handler takes one problem: under vmap, one call per element.
+    call = jax.ffi.ffi_call(_target("forward", config), result_types,
+                            vmap_method="sequential")
+    operands = (query, key_cache, value_cache, q_lengths, kv_lengths, page_table)
+    return _varying_like(call(*operands, **config.ffi_attributes(paged=True)), operands)

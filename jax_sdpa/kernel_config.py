@@ -84,10 +84,12 @@ class KernelConfig:
                    "sinks": self.has_sinks}
         return tuple(name for name in INPUTS if present[name])
 
-    def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0)) -> dict:
+    def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
+                       paged: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them).
         ragged: the call runs packed documents (lengths per document, offsets); max_document:
-        (queries, keys) no document is longer than, 0 for the rows' lengths."""
+        (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
+        values are page pools read through a page table (forward only)."""
         # Tokens of no document (past a length, or whose id the other side lacks) and rows past
         # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
         zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
@@ -97,7 +99,7 @@ class KernelConfig:
                     bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
                     has_lengths=bool(self.has_lengths or ragged), ragged=bool(ragged),
                     max_document_q=np.int64(max_document[0]),
-                    max_document_kv=np.int64(max_document[1]),
+                    max_document_kv=np.int64(max_document[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
                     zero_outputs=bool(zero_outputs), debug=np.int64(self.debug),

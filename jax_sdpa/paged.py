@@ -6,9 +6,11 @@ each sequence's pages in order. The T newest tokens of each sequence attend caus
 bottom-right: query i of sequence b sits at position kv_lengths[b] - T + i and sees the keys
 up to it. Forward only (inference).
 
-Today this runs the reference path (gather the pages, then attention with the same semantics on
-any backend); cuDNN's paged forward (page tables in the SDPA graph, cuDNN >= 9.5) is the next
-step (issue 18), so implementation="cudnn" says it is not there yet.
+On an NVIDIA GPU this runs cuDNN's paged forward: the page table goes into the SDPA graph
+(cuDNN >= 9.5), which reads each sequence's pages in place, with cuDNN's padding mask and
+bottom-right band measured from the actual lengths. Elsewhere (or where cuDNN cannot, with a
+one-time warning) the reference path gathers the pages, then runs attention with the same
+semantics.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import validation
-from jax_sdpa.reference import attention_reference
+from jax_sdpa import _ffi, debug, planning, sinks as sink_logits, validation
+from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.reference import attention_reference, large_negative
 
 
 def _int32(array, name, ndim):
@@ -77,16 +80,13 @@ def _visible(q_seq_len, kv_seq_len, kv_lengths, window):
     return seen[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _forward_only(scale, logits_soft_cap, query, key, value, mask, sinks, has_rows):
-    output, _ = attention_reference(query, key, value, None, mask, scale=scale,
-                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
-    # Queries that see no key (a sequence holding fewer keys than T) are zeros.
-    return jnp.where(has_rows[..., None, None], output, jnp.zeros((), output.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward_only(compute, *arrays):
+    return compute(*arrays)
 
 
-def _forward_only_fwd(scale, logits_soft_cap, *arrays):
-    return _forward_only(scale, logits_soft_cap, *arrays), None
+def _forward_only_fwd(compute, *arrays):
+    return compute(*arrays), None
 
 
 def _forward_only_bwd(*_):
@@ -95,6 +95,43 @@ def _forward_only_bwd(*_):
 
 
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def _reference(scale, logits_soft_cap, window, query, key_cache, value_cache, page_table,
+               kv_lengths, sinks, has_rows):
+    del has_rows  # the caller zeroes those rows
+    key, value = _gathered(key_cache, page_table), _gathered(value_cache, page_table)
+    mask = _visible(query.shape[1], key.shape[1], kv_lengths, window)
+    output, _ = attention_reference(query, key, value, None, mask, scale=scale,
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
+    return output
+
+
+def _cudnn(config, query, key_cache, value_cache, page_table, kv_lengths, sinks, has_rows):
+    batch, q_seq_len = query.shape[:2]
+    q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
+    # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
+    # of the pool (the reference clamps the same way).
+    page_table = jnp.clip(page_table, 0, key_cache.shape[0] - 1)
+    output, stats = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths,
+                                            kv_lengths, page_table, config)
+    # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
+    # there is not the answer, and their lse must be the empty row's for the sinks.
+    stats = jnp.where(has_rows[:, None, :], stats, large_negative())
+    if sinks is not None:
+        output, _ = sink_logits.apply(output, stats, sinks)
+    return output
+
+
+def _cudnn_config(scale, window, q_seq_len, has_sinks):
+    """The band: causal bottom-right (query i at kv_lengths[b] - T + i), a window's left bound
+    (cuDNN's is exclusive) from the same diagonal. One query with no window needs no band:
+    the padding mask alone keeps it to its sequence's keys."""
+    left = -1 if window is None else window[0] + 1
+    banded = q_seq_len > 1 or window is not None
+    return KernelConfig(scale=scale, window_left=left, window_right=0 if banded else -1,
+                        bottom_right=banded, has_lengths=True, has_sinks=has_sinks,
+                        command_buffer=_ffi.command_buffers(), debug=debug.flags())
 
 
 def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, scale=None,
@@ -115,18 +152,15 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
         query whose position is negative (kv_lengths[b] < T) sees nothing and gives zeros.
       scale, local_window_size (w or (left, right) around the query's position),
       logits_soft_cap, sinks: as dot_product_attention.
-      implementation: None or "xla" (the reference path); "cudnn" raises NotImplementedError
-        until cuDNN's paged kernel is built.
+      implementation: None (cuDNN's paged forward where it can run, else the reference path
+        with a one-time warning naming why), "cudnn" (or NotImplementedError naming why) or
+        "xla" (the reference path).
 
     Returns ``[B, T, N, Hv]``. Forward only: differentiating it raises NotImplementedError.
     """
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"implementation must be None, 'xla' or 'cudnn', got "
                          f"{implementation!r}")
-    if implementation == "cudnn":
-        raise NotImplementedError("implementation='cudnn' cannot run paged_attention yet: "
-                                  "cuDNN's paged kernel is not built (the reference path runs "
-                                  "with implementation=None)")
     query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
     if query.ndim != 4:
         raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
@@ -152,10 +186,18 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     window = validation.checked_window(local_window_size)
     cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, q_heads, query.dtype)
-    key, value = _gathered(key_cache, page_table), _gathered(value_cache, page_table)
-    mask = _visible(q_seq_len, key.shape[1], kv_lengths, window)
-    has_rows = jnp.any(mask[:, 0], axis=-1)  # [B, T]
-    return _forward_only(scale, cap, query, key, value, mask, sinks, has_rows)
+    # Query i of sequence b sits at kv_lengths[b] - T + i; before 0 it sees no key (zeros).
+    has_rows = (kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]) >= 0
+    reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
+                                   q_seq_len == 1 and window is not None)
+    if planning.use_cudnn(reason, implementation, "this paged_attention call"):
+        compute = functools.partial(_cudnn, _cudnn_config(scale, window, q_seq_len,
+                                                          sinks is not None))
+    else:
+        compute = functools.partial(_reference, scale, cap, window)
+    output = _forward_only(compute, query, key_cache, value_cache, page_table, kv_lengths, sinks,
+                           has_rows)
+    return jnp.where(has_rows[..., None, None], output, jnp.zeros((), output.dtype))
 
 
 def paged_kv_update(key_cache, value_cache, page_table, start, key, value, lengths=None):

@@ -23,6 +23,8 @@ MIN_RAGGED_COMPUTE_CAPABILITY = (9, 0)  # cuDNN's ragged (packed) layout: Hopper
 MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
 MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_HEAD_DIM = 256
+MIN_PAGED_CUDNN_VERSION = 90500  # cuDNN 9.5: page tables for K/V in the SDPA forward
+PAGED_WIDE_HEADS_CUDNN_VERSION = 91000  # head dims past 128 with paged K/V: cuDNN 9.10
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
 
@@ -87,6 +89,28 @@ def soft_cap_reason(logits_soft_cap) -> str | None:
     if _ffi.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
         return (f"logits_soft_cap needs cuDNN >= 9.4 (the loaded cuDNN is "
                 f"{_ffi.cudnn_version()})")
+    return None
+
+
+def paged_reason(dtype, head_dim, head_dim_v, logits_soft_cap, decoding_window) -> str | None:
+    """None if cuDNN's paged forward can run this paged_attention call on this device, else
+    why not. decoding_window: one query per sequence with a window (a band on a single query
+    row, which cuDNN before 9.10 refuses)."""
+    reason = device_reason() or kernel_reason(dtype, (("head_dim", head_dim),
+                                                      ("value head_dim", head_dim_v)))
+    if reason:
+        return reason
+    version = _ffi.cudnn_version()
+    if version < MIN_PAGED_CUDNN_VERSION:
+        return f"cuDNN's paged K/V needs cuDNN >= 9.5 (the loaded cuDNN is {version})"
+    if max(head_dim, head_dim_v) > 128 and version < PAGED_WIDE_HEADS_CUDNN_VERSION:
+        return (f"cuDNN's paged K/V takes head dims up to 128 before cuDNN 9.10 (got {head_dim} "
+                f"and {head_dim_v}; the loaded cuDNN is {version})")
+    if decoding_window and version < PAGED_WIDE_HEADS_CUDNN_VERSION:
+        return (f"a local_window_size with one query per sequence needs cuDNN >= 9.10 (the "
+                f"loaded cuDNN is {version})")
+    if logits_soft_cap is not None:
+        return "logits_soft_cap is not built into jax_sdpa's paged cuDNN graph yet"
     return None
 
 
