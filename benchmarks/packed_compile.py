@@ -54,10 +54,6 @@ def _no_fallback():
     return types.SimpleNamespace(blockwise_forward=forward, backward=backward)
 
 
-def _every_slot(batch, max_segments):
-    return [batch * max_segments]
-
-
 def compile_seconds(attention, inputs):
     step = timed_functions(attention)["fwd+bwd"]
     jax.clear_caches()
@@ -80,9 +76,9 @@ def variants(ids):
     yield "packed, ragged branches only", packed, _patched(kernels,
                                                            reference_kernel=_no_fallback())
     yield "packed, one ragged plan + fallback", packed, _patched(
-        kernels, _entry_levels=_every_slot, _LENGTH_FRACTIONS=(1,))
+        kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,))
     yield "packed, one ragged plan only", packed, _patched(
-        kernels, _entry_levels=_every_slot, _LENGTH_FRACTIONS=(1,),
+        kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,),
         reference_kernel=_no_fallback())
 
 

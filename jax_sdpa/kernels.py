@@ -109,21 +109,11 @@ def _mean_value(inputs):
 # The ragged kernels' grid covers every cuDNN batch entry up to the longest a document may be:
 # empty entries and tiles past a document's end still cost a launch slot each (M = 64 entries
 # per row against 8 cost 8% at 8 documents of 1024). Calls pick, on the device, the cheapest
-# plan their documents fit: entries (halvings of every slot, documents compacted to the front,
-# so at most twice what the documents need) times a length bound (a fraction of the row). The
-# table and operands are built once for the most entries; a plan's branch only slices them and
-# runs its graph (built when first used).
+# plan their documents fit: entries (a fraction of every slot, documents compacted to the front)
+# times a length bound (a fraction of the row). One graph each, built when first used.
 _LENGTH_FRACTIONS = (8, 4, 2, 1)
 _SHORTEST_BOUND = 256
-
-
-def _entry_levels(batch, max_segments):
-    """batch * max_segments halved down to `batch` (a row's documents never need fewer)."""
-    levels, entries = [], batch * max_segments
-    while entries > batch:
-        levels.append(entries)
-        entries = -(-entries // 2)
-    return sorted(levels + [batch])
+_ENTRY_FRACTIONS = (8, 1)  # of batch * max_segments, at least `batch`
 
 
 def _plans(batch, max_segments, q_seq_len, kv_seq_len):
@@ -133,7 +123,8 @@ def _plans(batch, max_segments, q_seq_len, kv_seq_len):
         bound = (-(-q_seq_len // fraction), -(-kv_seq_len // fraction))
         if (fraction == 1 or min(bound) >= _SHORTEST_BOUND) and bound not in bounds:
             bounds.append(bound)
-    plans = [(n, bound) for n in _entry_levels(batch, max_segments) for bound in bounds]
+    entries = sorted({max(batch, batch * max_segments // f) for f in _ENTRY_FRACTIONS})
+    plans = [(n, bound) for n in entries for bound in bounds]
     return sorted(plans, key=lambda plan: (plan[0] * plan[1][0], plan[0]))
 
 
@@ -152,58 +143,51 @@ def _packed_plans(inputs, config):
     return _plans(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
-def _packed_setup(config, inputs):
-    """(plans, branch index, ragged operands for the most entries, bool [B, T] rows that
-    average all values or None): what every branch of a packed call shares."""
+def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
     plans = _packed_plans(inputs, config)
-    operands = _ragged_operands(inputs, docs, max(entries for entries, _ in plans))
-    uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
-    return plans, _branch(docs, plans), operands, uniform
 
-
-def _packed_forward(config, inputs):
-    plans, branch, operands, uniform = _packed_setup(config, inputs)
-
-    def ragged(plan, inputs, operands, uniform):
+    def ragged(plan, inputs):
         entries, bound = plan
-        output, stats = _ffi.sdpa_forward(inputs, config,
-                                          packing.first_entries(operands, entries),
+        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
                                           max_document=bound)
         stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
-        if uniform is not None:
+        if _may_see_nothing(config):
+            uniform = _uniform_rows(config, inputs, docs)
             output = jnp.where(uniform[:, :, None, None],
                                _mean_value(inputs)[:, None].astype(output.dtype), output)
             stats = jnp.where(uniform[:, None, :], large_negative(), stats)
         return output, stats
 
-    def exact(inputs, operands, uniform):
+    def exact(inputs):
         return reference_kernel.blockwise_forward(config, inputs)
     branches = [functools.partial(ragged, plan) for plan in plans] + [exact]
-    return jax.lax.switch(branch, branches, inputs, operands, uniform)
+    return jax.lax.switch(_branch(docs, plans), branches, inputs)
 
 
 def _packed_backward(config, inputs, output, stats, d_output):
-    plans, branch, operands, uniform = _packed_setup(config, inputs)
+    docs = _documents(config, inputs)
+    plans = _packed_plans(inputs, config)
 
-    def ragged(plan, inputs, output, stats, d_output, operands, uniform):
+    def ragged(plan, inputs, output, stats, d_output):
         entries, bound = plan
+        uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
         cleared = d_output
         if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
             cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
         dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
-                                           config, packing.first_entries(operands, entries),
+                                           config, _ragged_operands(inputs, docs, entries),
                                            max_document=bound)
         if uniform is not None:
             extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
             dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
         return dq, dk, dv, None
 
-    def exact(inputs, output, stats, d_output, operands, uniform):
+    def exact(inputs, output, stats, d_output):
         return reference_kernel.backward(config, inputs, output, stats, d_output,
                                          reference_kernel.blockwise_forward)
     branches = [functools.partial(ragged, plan) for plan in plans] + [exact]
-    return jax.lax.switch(branch, branches, inputs, output, stats, d_output, operands, uniform)
+    return jax.lax.switch(_branch(docs, plans), branches, inputs, output, stats, d_output)
 
 
 def _mean_value_gradient(inputs, d_output):

@@ -162,18 +162,6 @@ def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv
     return compact(docs.q_len, 0), compact(docs.kv_len, 0), offsets
 
 
-def first_entries(operands, entries):
-    """ragged_operands(...) cut to its first `entries` cuDNN batch entries: the same documents
-    when they fit (count_documents(docs) <= entries), since unused entries hold nothing and end
-    at the last offset."""
-    q_lengths, kv_lengths, offsets = operands
-    if entries == q_lengths.shape[0]:
-        return operands
-    width = -(-(entries + 1) // 4) * 4
-    offsets = jnp.pad(offsets[:, :entries + 1], ((0, 0), (0, width - entries - 1)), mode="edge")
-    return q_lengths[:entries], kv_lengths[:entries], offsets
-
-
 def count_documents(docs: Documents):
     """int32 []: the documents with queries, over all rows (the entries a ragged call needs)."""
     return jnp.sum(docs.q_len > 0, dtype=jnp.int32)

@@ -213,28 +213,3 @@ def test_blockwise_fallback_is_the_reference(case):
     assert relative_error(out_b, out_a) < 1e-5 and relative_error(lse_b, lse_a) < 1e-5
     cot = (d_out, jnp.zeros_like(lse_a))
     assert relative_error(vjp_b(cot)[0], vjp_a(cot)[0]) < 1e-5
-
-
-def test_entry_levels_halve_down_to_the_batch():
-    # Documents compacted into the fewest entries: a plan never holds more than twice the
-    # entries its documents need (8x1024 rows: 32 entries for 32 documents, not 256).
-    assert kernels._entry_levels(4, 64) == [4, 8, 16, 32, 64, 128, 256]
-    assert kernels._entry_levels(3, 5) == [3, 4, 8, 15]
-    assert kernels._entry_levels(2, 1) == [2]
-    plans = kernels._plans(4, 64, 8192, 8192)
-    assert plans[-1] == (256, (8192, 8192))  # the last plan covers every table
-    costs = [entries * bound[0] for entries, bound in plans]
-    assert costs == sorted(costs)
-
-
-def test_first_entries_keep_the_documents_that_fit():
-    ids = jnp.asarray(np.stack([runs((10, 1), (20, 2), (18, 3)), runs((48, 7))]))
-    docs = packing.documents(ids, None, max_segments=8)
-    full = packing.ragged_operands(docs, 4, 2, 16, 16, 48)
-    assert full[0].shape == (16,)
-    q_lengths, kv_lengths, offsets = packing.first_entries(full, 4)  # 4 documents
-    np.testing.assert_array_equal(q_lengths, [10, 20, 18, 48])
-    np.testing.assert_array_equal(kv_lengths, [10, 20, 18, 48])
-    assert offsets.shape == (5, 8)  # entries + 1, padded to a multiple of 4
-    np.testing.assert_array_equal(offsets[0], np.array([0, 10, 30, 48, 96, 96, 96, 96]) * 64)
-    np.testing.assert_array_equal(offsets, full[2][:, :8])
