@@ -89,7 +89,9 @@ def main(argv=None):
 
 def print_trace(fn, args, directory, seconds):
     """One traced step: GPU time per kernel name, summed over every GPU's timeline, against
-    the step's wall time on each GPU."""
+    the step's wall time on each GPU. (On the H200 each kernel shows on two GPU lines of the
+    trace, so these sums are twice the kernels' time: halve them, as docs/PERFORMANCE.md
+    does.)"""
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         jax.block_until_ready(fn(*args))
     totals, counts = kernel_times(directory)

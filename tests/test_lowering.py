@@ -184,3 +184,25 @@ def test_command_buffer_targets_are_opt_in(monkeypatch):
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
     buffered = {target("forward_command_buffer"), target("backward_command_buffer")}
     assert buffered <= custom_calls(grad(), q, q, q)
+
+
+@pytest.mark.parametrize("transform", ["plain", "vmap"])
+def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
+    """paged_attention's cuDNN path: our forward target with paged = true and exactly the
+    attributes the handlers decode; under vmap, one call per element."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    q = jnp.zeros((3, 2, 8, 64), jnp.bfloat16)
+    cache = jnp.zeros((10, 16, 2, 64), jnp.bfloat16)
+    table = jnp.zeros((3, 4), jnp.int32)
+    lengths = jnp.full((3,), 40, jnp.int32)
+
+    def attend(q, cache, table, lengths):
+        return jax_sdpa.paged_attention(q, cache, cache, table, lengths, implementation="cudnn",
+                                        local_window_size=8, sinks=jnp.zeros((8,)))
+    args = (q, cache, table, lengths)
+    if transform == "vmap":
+        attend, args = jax.vmap(attend), tuple(x[None].repeat(2, 0) for x in args)
+    text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "cudnn$fmha" not in text
+    assert backend_config(text, FORWARD) == set(_ffi.extension().attribute_names())
+    assert "paged = true" in text
