@@ -1,0 +1,118 @@
+"""The first call, measured fairly: every implementation in a fresh process of its own.
+
+    python -m benchmarks.first_call [--only CONFIG ...] [--impl NAME ...] [--out DIR]
+
+benchmarks/attention.py times first calls inside one process, where whichever implementation
+runs first warms cuDNN (handles, loaded kernels) for the others. Here each (config,
+implementation, mode) starts a new Python process that imports JAX, makes the inputs, then
+measures: trace + lower, XLA compile, the first execution (cuDNN graphs are built there for the
+custom-call paths), and a second execution for scale. Process start and imports are reported
+apart (they are the same for everyone). Writes first_call.md and first_call.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = ("fwd", "fwd+bwd")
+
+
+def child(config_name, implementation, mode):
+    """Runs in the fresh process: prints one JSON line of seconds."""
+    started = time.perf_counter()
+    import jax  # noqa: PLC0415 - timed
+    import jax_sdpa  # noqa: F401, PLC0415 - timed
+    from benchmarks.attention import make_inputs, timed_functions  # noqa: PLC0415
+    from benchmarks.configs import ANCHOR_CONFIGS  # noqa: PLC0415
+    from benchmarks.implementations import available  # noqa: PLC0415
+    jax.devices()
+    imported = time.perf_counter()
+    config = next(c for c in ANCHOR_CONFIGS if c.name == config_name)
+    attention = available(config)[implementation]
+    inputs = make_inputs(config, seed=0)[:1]  # one call: the first call's cost, not a chain's
+    jax.block_until_ready(inputs)
+    fn = timed_functions(attention, config.causal)[mode]
+    start = time.perf_counter()
+    lowered = fn.trace(inputs).lower()
+    traced = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    jax.block_until_ready(compiled(inputs))
+    first = time.perf_counter()
+    jax.block_until_ready(compiled(inputs))
+    second = time.perf_counter()
+    print(json.dumps(dict(imports_s=imported - started, trace_lower_s=traced - start,
+                          compile_s=compiled_at - traced, first_run_s=first - compiled_at,
+                          second_run_s=second - first,
+                          first_call_s=first - start)), flush=True)
+
+
+def measure(config_name, implementation, mode, timeout):
+    command = [sys.executable, "-m", "benchmarks.first_call", "--child", config_name,
+               implementation, mode]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        return dict(error=f"over {timeout} s")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        return dict(error=(result.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    return json.loads(lines[-1])
+
+
+def markdown(rows):
+    lines = ["| config | implementation | mode | first call s (trace+lower, compile, first run) "
+             "| second run ms | imports s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['error']} | – | – |")
+            continue
+        lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['first_call_s']:.2f} "
+                     f"({r['trace_lower_s']:.2f}, {r['compile_s']:.2f}, {r['first_run_s']:.2f}) "
+                     f"| {r['second_run_s'] * 1e3:.2f} | {r['imports_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--impl", action="append", default=[])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(*args.child)
+        return
+    import jax  # noqa: PLC0415
+    import jax_sdpa  # noqa: PLC0415
+    from benchmarks.configs import ANCHOR_CONFIGS  # noqa: PLC0415
+    from benchmarks.implementations import available  # noqa: PLC0415
+    from benchmarks.report import write_markdown  # noqa: PLC0415
+    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
+              f"{jax.__version__}, cuDNN {jax_sdpa.cudnn_version()}; one fresh process per row")
+    rows = []
+    for config in ANCHOR_CONFIGS:
+        if args.only and config.name not in args.only:
+            continue
+        for implementation in available(config):
+            if args.impl and implementation not in args.impl:
+                continue
+            for mode in MODES:
+                row = dict(config=config.name, impl=implementation, mode=mode,
+                           **measure(config.name, implementation, mode, args.timeout))
+                print(row, file=sys.stderr, flush=True)
+                rows.append(row)
+                with open(os.path.join(args.out, "first_call.json"), "w") as f:
+                    json.dump(dict(header=header, rows=rows), f, indent=1)
+    write_markdown(args.out, "first_call.md", header, markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
