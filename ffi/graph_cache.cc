@@ -1,9 +1,12 @@
 #include "graph_cache.h"
 
 #include <cstdlib>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "capture_mode.h"
+#include "graph_files.h"
 
 namespace jax_sdpa {
 namespace {
@@ -73,14 +76,42 @@ ffi::ErrorOr<std::shared_ptr<SdpaGraph>> GraphCache::GetOrBuild(const SdpaConfig
   std::shared_ptr<SdpaGraph> built;
   {
     RelaxedCaptureMode relaxed;  // the first call may come while XLA captures the stream
-    JAX_SDPA_ASSIGN_OR_RETURN(built, SdpaGraph::Build(config, handle));
+    JAX_SDPA_ASSIGN_OR_RETURN(built, LoadOrBuild(config, handle));
   }
   std::lock_guard<std::mutex> guard(mutex_);
-  ++stats_.builds;
   // If the entry was evicted while the graph was built, only the caller (its executable's
   // state) holds the graph, and lets it go through Release like any other.
   auto found = entries_.find(config);
   if (found != entries_.end() && found->second == entry) entry->graph = built;
+  return built;
+}
+
+ffi::ErrorOr<std::shared_ptr<SdpaGraph>> GraphCache::LoadOrBuild(const SdpaConfig& config,
+                                                                 cudnnHandle_t handle) {
+  const GraphFiles* files = GraphFiles::FromEnvironment();
+  std::string key = files ? SdpaGraph::DiskKey(config) : std::string();
+  if (files && files->Exists(key)) {
+    std::optional<std::vector<uint8_t>> bytes = files->Read(key);
+    if (bytes) {
+      auto loaded = SdpaGraph::Load(config, handle, *bytes);
+      if (loaded.has_value()) {
+        disk_loads_.fetch_add(1, std::memory_order_relaxed);
+        return loaded;
+      }
+    }
+    // A damaged or foreign file, or a plan this cuDNN refuses: built and written again.
+    disk_rejects_.fetch_add(1, std::memory_order_relaxed);
+  }
+  JAX_SDPA_ASSIGN_OR_RETURN(std::shared_ptr<SdpaGraph> built, SdpaGraph::Build(config, handle));
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    ++stats_.builds;
+  }
+  if (files) {
+    auto bytes = built->Serialize();  // some engines cannot be serialized: then nothing is kept
+    bool written = bytes.has_value() && files->Write(key, *bytes);
+    (written ? disk_writes_ : disk_rejects_).fetch_add(1, std::memory_order_relaxed);
+  }
   return built;
 }
 
@@ -137,6 +168,9 @@ GraphCacheStats GraphCache::stats() {
   GraphCacheStats result = stats_;
   result.capacity = capacity_;
   result.hits = hits_.load(std::memory_order_relaxed);
+  result.disk_loads = disk_loads_.load(std::memory_order_relaxed);
+  result.disk_writes = disk_writes_.load(std::memory_order_relaxed);
+  result.disk_rejects = disk_rejects_.load(std::memory_order_relaxed);
   result.entries = 0;
   for (const auto& [config, entry] : entries_) {
     if (entry->graph) ++result.entries;  // entries whose build failed hold no graph

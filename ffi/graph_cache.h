@@ -31,6 +31,11 @@ struct GraphCacheStats {
   int64_t evictions = 0;  // graphs that left to make room
   int64_t retired = 0;    // graphs let go (evicted, or their executable freed) whose queued
                           // work may not have finished yet
+  // The graph files directory (graph_files.h), when one is set:
+  int64_t disk_loads = 0;    // graphs loaded from it instead of built
+  int64_t disk_writes = 0;   // graphs written to it after a build
+  int64_t disk_rejects = 0;  // files there that could not be used (stale, foreign, corrupt,
+                             // or refused by cuDNN), and writes that failed
 };
 
 class GraphCache {
@@ -75,6 +80,10 @@ class GraphCache {
     cudaEvent_t queued_work_done = nullptr;
   };
 
+  // Loads the graph from the graph files directory if one is set and holds it, else builds
+  // it (and writes it there).
+  ffi::ErrorOr<std::shared_ptr<SdpaGraph>> LoadOrBuild(const SdpaConfig& config,
+                                                      cudnnHandle_t handle);
   void EvictLeastRecentLocked();
   // Frees retired graphs whose work has run; records events for those of `device`.
   void SweepRetiredLocked(int32_t device, cudaStream_t stream);
@@ -86,6 +95,7 @@ class GraphCache {
   std::vector<Retired> retired_;
   std::atomic<int64_t> retired_count_{0};
   std::atomic<int64_t> hits_{0};
+  std::atomic<int64_t> disk_loads_{0}, disk_writes_{0}, disk_rejects_{0};
   GraphCacheStats stats_;  // builds and evictions; hits and retired are counted above
 };
 

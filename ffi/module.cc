@@ -81,6 +81,9 @@ NB_MODULE(_sdpa_ffi, m) {
     result["hits"] = stats.hits;
     result["evictions"] = stats.evictions;
     result["retired"] = stats.retired;
+    result["disk_loads"] = stats.disk_loads;
+    result["disk_writes"] = stats.disk_writes;
+    result["disk_rejects"] = stats.disk_rejects;
     return result;
   });
 }

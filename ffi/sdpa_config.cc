@@ -62,6 +62,15 @@ std::string SdpaConfig::ToString() const {
   return out.str();
 }
 
+std::string SdpaConfig::Key() const {
+  SdpaConfig any_device = *this;
+  any_device.device = 0;
+  std::ostringstream out;
+  std::apply([&out](auto... field) { ((out << static_cast<int64_t>(field) << ','), ...); },
+             Fields(any_device));
+  return out.str();
+}
+
 size_t SdpaConfigHash::operator()(const SdpaConfig& c) const {
   size_t seed = 0;
   std::apply(

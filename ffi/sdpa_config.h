@@ -59,6 +59,9 @@ struct SdpaConfig {
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;
+  // Every field but the device ordinal, exactly (floats by their bits): what names the graph
+  // across processes, where one GPU may have another ordinal (graph_files.h).
+  std::string Key() const;
 };
 
 struct SdpaConfigHash {

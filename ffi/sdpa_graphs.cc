@@ -1,5 +1,7 @@
 #include "sdpa_graphs.h"
 
+#include <cuda_runtime_api.h>
+
 #include <exception>
 #include <optional>
 #include <string>
@@ -346,6 +348,49 @@ ffi::ErrorOr<std::shared_ptr<SdpaGraph>> SdpaGraph::Build(const SdpaConfig& conf
     return Failure{ffi::Error::Internal(std::string("cuDNN frontend threw while building ") +
                                         config.ToString() + ": " + e.what())};
   }
+}
+
+ffi::ErrorOr<std::shared_ptr<SdpaGraph>> SdpaGraph::Load(const SdpaConfig& config,
+                                                         cudnnHandle_t handle,
+                                                         const std::vector<uint8_t>& bytes) {
+  try {
+    auto frontend = std::make_unique<Frontend>();
+    frontend->graph = std::make_shared<fe::graph::Graph>();
+    fe::error_t status = frontend->graph->deserialize(handle, bytes);
+    if (status.is_bad()) return Failure{FrontendError(status, "deserialize", config)};
+    int64_t workspace_size = 0;
+    status = frontend->graph->get_workspace_size(workspace_size);
+    if (status.is_bad()) return Failure{FrontendError(status, "get_workspace_size", config)};
+    return std::shared_ptr<SdpaGraph>(
+        new SdpaGraph(config, std::move(frontend), workspace_size));
+  } catch (const std::exception& e) {  // the frontend's JSON parser throws on bad bytes
+    return Failure{ffi::Error::Internal(std::string("cuDNN frontend threw while loading ") +
+                                        config.ToString() + ": " + e.what())};
+  }
+}
+
+ffi::ErrorOr<std::vector<uint8_t>> SdpaGraph::Serialize() const {
+  try {
+    std::vector<uint8_t> bytes;
+    fe::error_t status = frontend_->graph->serialize(bytes);
+    if (status.is_bad()) return Failure{FrontendError(status, "serialize", config_)};
+    return bytes;
+  } catch (const std::exception& e) {
+    return Failure{ffi::Error::Internal(std::string("cuDNN frontend threw while serializing ") +
+                                        config_.ToString() + ": " + e.what())};
+  }
+}
+
+std::string SdpaGraph::DiskKey(const SdpaConfig& config) {
+  cudaDeviceProp properties{};
+  std::string gpu = "unknown";
+  if (cudaGetDeviceProperties(&properties, config.device) == cudaSuccess) {
+    gpu = std::string(properties.name) + " sm" + std::to_string(properties.major) +
+          std::to_string(properties.minor) + " x" +
+          std::to_string(properties.multiProcessorCount);
+  }
+  return "config " + config.Key() + " cudnn " + std::to_string(cudnnGetVersion()) +
+         " frontend " + std::to_string(CUDNN_FRONTEND_VERSION) + " gpu " + gpu;
 }
 
 ffi::Error SdpaGraph::Execute(cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,

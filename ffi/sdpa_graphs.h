@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "check.h"
 #include "sdpa_config.h"
@@ -68,6 +70,17 @@ class SdpaGraph {
   // that builds; an error carries cuDNN's message, the failing step and the config.
   static ffi::ErrorOr<std::shared_ptr<SdpaGraph>> Build(const SdpaConfig& config,
                                                         cudnnHandle_t handle);
+
+  // A graph serialized by Serialize() (graph_files.h), rebuilt for `handle` without planning;
+  // an error if the bytes are not such a graph or this cuDNN cannot load it.
+  static ffi::ErrorOr<std::shared_ptr<SdpaGraph>> Load(const SdpaConfig& config,
+                                                       cudnnHandle_t handle,
+                                                       const std::vector<uint8_t>& bytes);
+  ffi::ErrorOr<std::vector<uint8_t>> Serialize() const;
+
+  // What a serialized graph of `config` depends on: the config, the cuDNN library and frontend
+  // versions, and the GPU model.
+  static std::string DiskKey(const SdpaConfig& config);
 
   const SdpaConfig& config() const { return config_; }
   int64_t workspace_size() const { return workspace_size_; }

@@ -114,7 +114,9 @@ def cudnn_version() -> int:
 def graph_cache_stats() -> dict:
     """The process-wide cuDNN graph cache's counters: entries (graphs cached), capacity, builds,
     hits (calls that found their graph, in their executable or the cache), evictions, retired
-    (graphs let go whose queued GPU work may still be running)."""
+    (graphs let go whose queued GPU work may still be running), and with a graph files
+    directory (JAX_SDPA_GRAPH_CACHE_DIR) disk_loads, disk_writes, disk_rejects (files that
+    could not be used, writes that failed)."""
     return dict(extension().graph_cache_stats())
 
 

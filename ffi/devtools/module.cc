@@ -1,6 +1,8 @@
 // The developer tools' Python module (jax_sdpa._sdpa_devtools), kept out of the product
-// extension: benchmarks/plans.py times every cuDNN plan of one SDPA graph alone through it.
+// extension: benchmarks/plans.py times every cuDNN plan of one SDPA graph alone through it, and
+// tests read and write graph files (graph_files.h) without a GPU.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -9,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "graph_files.h"
 #include "kernel_timing.h"
 
 namespace nb = nanobind;
@@ -79,4 +82,26 @@ NB_MODULE(_sdpa_devtools, m) {
         "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order. "
         "buffers: per input set, device pointers q, k, v, o, stats[, d_o, dq, dk, dv] the "
         "caller owns; without them, input_sets sets of random values.");
+  m.def(
+      "write_graph_file",
+      [](const std::string& directory, const std::string& key, const nb::bytes& payload) {
+        const auto* data = static_cast<const uint8_t*>(payload.data());
+        return jax_sdpa::GraphFiles(directory).Write(
+            key, std::vector<uint8_t>(data, data + payload.size()));
+      },
+      "Writes payload under key in a graph files directory; False on failure.");
+  m.def(
+      "read_graph_file",
+      [](const std::string& directory, const std::string& key) -> std::optional<nb::bytes> {
+        auto payload = jax_sdpa::GraphFiles(directory).Read(key);
+        if (!payload) return std::nullopt;
+        return nb::bytes(reinterpret_cast<const char*>(payload->data()), payload->size());
+      },
+      "The payload under key, or None when no usable file holds it.");
+  m.def(
+      "graph_file_path",
+      [](const std::string& directory, const std::string& key) {
+        return jax_sdpa::GraphFiles(directory).PathOf(key);
+      },
+      "The file a key is stored in.");
 }
