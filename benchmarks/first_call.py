@@ -71,7 +71,8 @@ def markdown(rows):
              "| second run ms | imports s |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['error']} | – | – |")
+            lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['error']} | – "
+                         "| – |")
             continue
         lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['first_call_s']:.2f} "
                      f"({r['trace_lower_s']:.2f}, {r['compile_s']:.2f}, {r['first_run_s']:.2f}) "

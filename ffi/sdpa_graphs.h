@@ -26,8 +26,8 @@ struct RaggedOffsets {
 };
 
 // Inputs shared by both directions; bias, the int32 [batch] lengths, the ragged offsets, the page
-// table and the dropout seed only where the config has them (nullptr otherwise). dropout_seed holds two
-// int64: Philox seed, then offset.
+// table and the dropout seed only where the config has them (nullptr otherwise). dropout_seed
+// holds two int64: Philox seed, then offset.
 struct AttentionInputs {
   const void* q = nullptr;
   const void* k = nullptr;
