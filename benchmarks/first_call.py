@@ -91,13 +91,10 @@ def main(argv=None):
     if args.child:
         child(*args.child)
         return
-    import jax  # noqa: PLC0415
-    import jax_sdpa  # noqa: PLC0415
     from benchmarks.configs import ANCHOR_CONFIGS  # noqa: PLC0415
     from benchmarks.implementations import available  # noqa: PLC0415
-    from benchmarks.report import write_markdown  # noqa: PLC0415
-    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
-              f"{jax.__version__}, cuDNN {jax_sdpa.cudnn_version()}; one fresh process per row")
+    from benchmarks.report import machine_line, write_markdown  # noqa: PLC0415
+    header = f"{machine_line()}; one fresh process per row"
     rows = []
     for config in ANCHOR_CONFIGS:
         if args.only and config.name not in args.only:

@@ -20,7 +20,6 @@ Writes packed.md and packed.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
-from benchmarks.report import write_markdown
+from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
 
 N_HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
@@ -230,8 +229,6 @@ def temp_memory(config, names):
 
 
 def markdown(rows, memory):
-    def cell(x, fmt):
-        return "–" if x is None else format(x, fmt)
     lines = ["| config | mode | implementation | ms | TFLOP/s (useful) | × per-document bound | "
              "× flash-attn3 varlen | compile s | first run s | error vs bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -248,18 +245,14 @@ def markdown(rows, memory):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", default=[])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-tight", action="store_true",
                         help="skip the ragged call at the rows' own document count")
     args = parser.parse_args(argv)
     chosen = [c for c in configs() if not args.only or c.name in args.only]
-    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
-              f"{jax.__version__}, cuDNN {jax_sdpa.cudnn_version()}; B rows x T tokens, "
-              f"{N_HEADS} heads, d={HEAD_DIM}, bf16, causal within documents")
+    header = (f"{machine_line()}; B rows x T tokens, {N_HEADS} heads, d={HEAD_DIM}, bf16, "
+              "causal within documents")
     rows, memory = [], {}
     for index, config in enumerate(chosen):
         print(f"[{index + 1}/{len(chosen)}] {config.name}: documents per row "

@@ -14,7 +14,6 @@ One process, interleaved rounds of a chain of CALLS calls inside one jit
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -28,7 +27,7 @@ import numpy as np
 
 import jax_sdpa
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
-from benchmarks.report import write_markdown
+from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 64, jnp.bfloat16
 HBM_BYTES_PER_S = 4.8e12
@@ -143,8 +142,6 @@ def bench(config, rounds):
 
 
 def markdown(rows):
-    def cell(x, fmt):
-        return "–" if x is None else format(x, fmt)
     lines = ["| config | implementation | ms | K/V read, share of 4.8 TB/s | TFLOP/s | "
              "× flash-attn3 | × dense forward | error vs reference |",
              "|---|---|---|---|---|---|---|---|"]
@@ -156,14 +153,9 @@ def markdown(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", default=[])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
-    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
-              f"{jax.__version__}, cuDNN {jax_sdpa.cudnn_version()}; GQA {Q_HEADS}/{KV_HEADS}, "
-              f"d={HEAD_DIM}, bf16, pages of {PAGE_SIZE}")
+    args = benchmark_parser(__doc__.splitlines()[0]).parse_args(argv)
+    header = (f"{machine_line()}; GQA {Q_HEADS}/{KV_HEADS}, d={HEAD_DIM}, bf16, pages of "
+              f"{PAGE_SIZE}")
     rows = []
     for config in configs():
         if args.only and config.name not in args.only:

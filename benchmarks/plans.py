@@ -16,17 +16,15 @@ first (whether autotuning could pay). Writes plans.md and plans.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.report import write_markdown
+from benchmarks.report import benchmark_parser, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
@@ -122,17 +120,13 @@ def markdown(results):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[])
-    parser.add_argument("--only", action="append", default=[])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     configs = ANCHOR_CONFIGS + [parse_config(text) for text in args.config]
     if args.only:
         configs = [c for c in configs if c.name in args.only]
-    header = (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
-              f"{jax.__version__}, cuDNN {_ffi.cudnn_version()}")
+    header = machine_line()
     results = []
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)

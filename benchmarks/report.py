@@ -3,6 +3,36 @@ time relative to jax.nn's cuDNN path (below 1: faster), one panel per mode."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import time
+
+
+def machine_line() -> str:
+    """'2026-11-30, NVIDIA H200, JAX 0.11.2, cuDNN 91900': what every table is measured on."""
+    import jax  # noqa: PLC0415 - the CPU tests import this module's tables without a device
+
+    import jax_sdpa  # noqa: PLC0415
+
+    return (f"{time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, JAX "
+            f"{jax.__version__}, cuDNN {jax_sdpa.cudnn_version()}")
+
+
+def cell(value, fmt: str) -> str:
+    """A table cell: the value formatted, or '–' where there is none (a peer that did not
+    run)."""
+    return "–" if value is None else format(value, fmt)
+
+
+def benchmark_parser(description: str, rounds: int = 10) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark takes: --only NAME (repeatable), --rounds,
+    --out DIR (default $OUT, the device machine's output folder)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    return parser
+
 
 def markdown(rows):
     lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 | first call s "
