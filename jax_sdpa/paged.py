@@ -166,7 +166,10 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
         raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
     _check_caches(key_cache, value_cache)
     batch, q_seq_len, q_heads, head_dim = query.shape
-    _, page_size, kv_heads, key_dim = key_cache.shape
+    pages, page_size, kv_heads, key_dim = key_cache.shape
+    if min(pages, page_size, kv_heads) == 0:
+        raise ValueError(f"key_cache must hold at least one page of at least one token and one "
+                         f"head, got shape {key_cache.shape}")
     if key_dim != head_dim:
         raise ValueError(f"query and key_cache must have the same head_dim, got {head_dim} and "
                          f"{key_dim}")
@@ -181,11 +184,16 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
         raise ValueError(f"page_table [B, max_pages] and kv_lengths [B] must have B = {batch}, "
                          f"got {page_table.shape} and {kv_lengths.shape}")
+    if page_table.shape[1] == 0:
+        raise ValueError(f"page_table must list at least one page per sequence, got shape "
+                         f"{page_table.shape}")
     _check_lengths_fit(kv_lengths, page_table.shape[1] * page_size, "kv_lengths")
     scale = validation.checked_scale(scale, head_dim)
     window = validation.checked_window(local_window_size)
     cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, q_heads, query.dtype)
+    if query.size == 0:  # no query: nothing for a kernel to do
+        return jnp.zeros((batch, q_seq_len, q_heads, value_cache.shape[-1]), query.dtype)
     # Query i of sequence b sits at kv_lengths[b] - T + i; before 0 it sees no key (zeros).
     has_rows = (kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]) >= 0
     reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,

@@ -121,3 +121,17 @@ def test_paged_attention_has_no_gradient_and_refuses_bad_input():
     with pytest.raises(NotImplementedError, match="cudnn"):
         jax_sdpa.paged_attention(q, key_cache, value_cache, table, lengths,
                                  implementation="cudnn")
+
+
+def test_paged_attention_refuses_empty_pools_and_tables_and_passes_empty_queries():
+    q, key_cache, value_cache, table, _, _ = build([9, 12], 1)
+    lengths = jnp.array([9, 12], jnp.int32)
+    with pytest.raises(ValueError, match="at least one page"):
+        jax_sdpa.paged_attention(q, key_cache[:0], value_cache[:0], table, lengths)
+    with pytest.raises(ValueError, match="at least one page"):
+        jax_sdpa.paged_attention(q[:, :, :0], key_cache[:, :, :0], value_cache[:, :, :0],
+                                 table, lengths)
+    with pytest.raises(ValueError, match="page_table"):
+        jax_sdpa.paged_attention(q, key_cache, value_cache, table[:, :0], lengths * 0)
+    out = jax_sdpa.paged_attention(q[:, :0], key_cache, value_cache, table, lengths)
+    assert out.shape == (2, 0, N, H) and out.dtype == q.dtype
