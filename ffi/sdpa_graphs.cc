@@ -350,10 +350,34 @@ ffi::ErrorOr<std::shared_ptr<SdpaGraph>> SdpaGraph::Build(const SdpaConfig& conf
   }
 }
 
+namespace {
+
+// Unbinds a handle from its stream for a scope. The frontend's deserialize "warms up" the plan
+// by capturing an execution into a throwaway CUDA graph on the handle's stream; unbound, it
+// does so on a stream of its own instead of XLA's.
+class UnboundStream {
+ public:
+  explicit UnboundStream(cudnnHandle_t handle) : handle_(handle) {
+    if (cudnnGetStream(handle_, &stream_) == CUDNN_STATUS_SUCCESS) {
+      cudnnSetStream(handle_, nullptr);
+    }
+  }
+  ~UnboundStream() { cudnnSetStream(handle_, stream_); }
+  UnboundStream(const UnboundStream&) = delete;
+  UnboundStream& operator=(const UnboundStream&) = delete;
+
+ private:
+  cudnnHandle_t handle_;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
 ffi::ErrorOr<std::shared_ptr<SdpaGraph>> SdpaGraph::Load(const SdpaConfig& config,
                                                          cudnnHandle_t handle,
                                                          const std::vector<uint8_t>& bytes) {
   try {
+    UnboundStream unbound(handle);
     auto frontend = std::make_unique<Frontend>();
     frontend->graph = std::make_shared<fe::graph::Graph>();
     fe::error_t status = frontend->graph->deserialize(handle, bytes);
