@@ -3,12 +3,16 @@ read through a shuffled page table, against a float64 NumPy oracle on each seque
 out contiguously (decode T = 1 and chunked prefill T > 1, GQA, windows, soft-cap, sinks,
 sequences shorter than T); bad arguments; no gradient."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_sdpa
+from jax_sdpa import _ffi, planning
+import paged_emulator
 
 PAGES, PAGE, K, N, H = 24, 8, 2, 4, 16
 
@@ -75,15 +79,34 @@ def build(kv_lengths, t, seed=0, dtype=jnp.float32):
     return jnp.asarray(q, dtype), key_cache, value_cache, jnp.asarray(table), keys, values
 
 
+@pytest.fixture(params=["reference", "cudnn-emulated"])
+def path(request, monkeypatch):
+    """Which path paged_attention takes: the reference; or its cuDNN path, on a GPU for real
+    and elsewhere with tests/paged_emulator.py standing in for our paged FFI call (what cuDNN
+    would compute from the same operands), which tests the band, padding and page-table
+    mapping in CI."""
+    if request.param == "reference":
+        return "xla"
+    if planning.device_reason() is not None:
+        monkeypatch.setattr(planning, "device_reason", lambda: None)
+        monkeypatch.setattr(planning, "kernel_reason", lambda *args: None)  # float32 here
+        monkeypatch.setattr(_ffi, "cudnn_version", lambda: 91900)
+        monkeypatch.setattr(_ffi, "sdpa_paged_forward", paged_emulator.sdpa_paged_forward)
+    return None  # the default: cuDNN where it can run (soft-cap: the reference, with a warning)
+
+
 @pytest.mark.parametrize("t", [1, 5], ids=["decode", "prefill"])
-@pytest.mark.parametrize("options", ["plain", "window", "soft_cap+sinks"])
-def test_paged_attention_matches_the_oracle(t, options):
+@pytest.mark.parametrize("options", ["plain", "window", "soft_cap+sinks", "sinks"])
+def test_paged_attention_matches_the_oracle(t, options, path):
     kv_lengths = [17, 40, 3, 9]  # the third holds fewer keys than T = 5: two empty queries
     q, key_cache, value_cache, table, keys, values = build(kv_lengths, t)
     kwargs = dict(plain={}, window=dict(local_window_size=(4, 0)),
+                  sinks=dict(sinks=jnp.linspace(-1.0, 1.0, N)),
                   **{"soft_cap+sinks": dict(logits_soft_cap=2.0,
                                             sinks=jnp.linspace(-1.0, 1.0, N))})[options]
-    with jax.default_matmul_precision("float32"):
+    kwargs["implementation"] = path
+    with jax.default_matmul_precision("float32"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # soft-cap takes the reference
         out = jax.jit(lambda *a: jax_sdpa.paged_attention(*a, **kwargs))(
             q, key_cache, value_cache, table, jnp.asarray(kv_lengths, jnp.int32))
     expected = oracle(np.asarray(q), keys, values, kv_lengths, kwargs.get("local_window_size"),
