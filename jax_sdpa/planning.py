@@ -25,6 +25,7 @@ MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_HEAD_DIM = 256
 MIN_PAGED_CUDNN_VERSION = 90500  # cuDNN 9.5: page tables for K/V in the SDPA forward
 PAGED_WIDE_HEADS_CUDNN_VERSION = 91000  # head dims past 128 with paged K/V: cuDNN 9.10
+DECODE_WINDOW_CUDNN_VERSION = 91000  # a band on a single query row (s_q = 1): cuDNN 9.10
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
 
@@ -106,7 +107,7 @@ def paged_reason(dtype, head_dim, head_dim_v, logits_soft_cap, decoding_window) 
     if max(head_dim, head_dim_v) > 128 and version < PAGED_WIDE_HEADS_CUDNN_VERSION:
         return (f"cuDNN's paged K/V takes head dims up to 128 before cuDNN 9.10 (got {head_dim} "
                 f"and {head_dim_v}; the loaded cuDNN is {version})")
-    if decoding_window and version < PAGED_WIDE_HEADS_CUDNN_VERSION:
+    if decoding_window and version < DECODE_WINDOW_CUDNN_VERSION:
         return (f"a local_window_size with one query per sequence needs cuDNN >= 9.10 (the "
                 f"loaded cuDNN is {version})")
     if logits_soft_cap is not None:
