@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
+from jax_sdpa import paged_decode
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
 from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 
@@ -76,6 +77,9 @@ def implementations(config):
         "jax_sdpa cudnn": lambda *a: jax_sdpa.paged_attention(*a, implementation="cudnn"),
         "reference path": lambda *a: jax_sdpa.paged_attention(*a, implementation="xla"),
     }
+    if config.new_tokens == 1:  # what the decode layouts (jax_sdpa/paged_decode.py) win
+        found["jax_sdpa cudnn, plain layout"] = _with_layout(paged_decode.PLAIN)
+        found["jax_sdpa cudnn, folded only"] = _with_layout(paged_decode.DecodeLayout(True, 1))
     if config.new_tokens > 1:
         def dense(q, key_cache, value_cache, table, lengths):
             # The same problem over contiguous K/V (the gather is outside the timed call).
@@ -96,6 +100,18 @@ def implementations(config):
             flash_mha_with_kvcache(q, kc, vc, cache_seqlens=lengths, page_table=table,
                                    is_causal=True, num_splits=splits))
     return found
+
+
+def _with_layout(layout):
+    """jax_sdpa's cuDNN path with the decode layout forced (for the comparison only)."""
+    def attend(*arrays):
+        chosen = paged_decode.choose
+        paged_decode.choose = lambda *args, **kwargs: layout
+        try:
+            return jax_sdpa.paged_attention(*arrays, implementation="cudnn")
+        finally:
+            paged_decode.choose = chosen
+    return attend
 
 
 def _gathered(cache, table):
