@@ -77,9 +77,10 @@ def implementations(config):
         "jax_sdpa cudnn": lambda *a: jax_sdpa.paged_attention(*a, implementation="cudnn"),
         "reference path": lambda *a: jax_sdpa.paged_attention(*a, implementation="xla"),
     }
-    if config.new_tokens == 1:  # what the decode layouts (jax_sdpa/paged_decode.py) win
-        found["jax_sdpa cudnn, plain layout"] = _with_layout(paged_decode.PLAIN)
-        found["jax_sdpa cudnn, folded only"] = _with_layout(paged_decode.DecodeLayout(True, 1))
+    if config.new_tokens == 1:  # what splitting the keys (jax_sdpa/paged_decode.py) wins
+        for splits in (1, 2, 4):
+            found[f"jax_sdpa cudnn, {splits} split(s)"] = _with_layout(
+                paged_decode.DecodeLayout(splits))
     if config.new_tokens > 1:
         def dense(q, key_cache, value_cache, table, lengths):
             # The same problem over contiguous K/V (the gather is outside the timed call).

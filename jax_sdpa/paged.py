@@ -109,13 +109,11 @@ def _reference(scale, logits_soft_cap, window, query, key_cache, value_cache, pa
 
 def _cudnn(config, layout, query, key_cache, value_cache, page_table, kv_lengths, sinks,
            has_rows):
-    pages, page_size, kv_heads = key_cache.shape[:3]
+    pages, page_size = key_cache.shape[:2]
     # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
     # of the pool (the reference clamps the same way).
     page_table = jnp.clip(page_table, 0, pages - 1)
     lengths = kv_lengths
-    if layout.fold:
-        query = paged_decode.fold_heads(query, kv_heads)
     if layout.splits > 1:
         query, page_table, lengths = paged_decode.split_pages(query, page_table, lengths,
                                                               layout.splits, page_size)
@@ -124,8 +122,6 @@ def _cudnn(config, layout, query, key_cache, value_cache, page_table, kv_lengths
                                             page_table, config)
     if layout.splits > 1:
         output, stats = paged_decode.merge_chunks(output, stats, lengths, layout.splits)
-    if layout.fold:
-        output, stats = paged_decode.unfold_heads(output, stats)
     # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
     # there is not the answer, and their lse must be the empty row's for the sinks.
     stats = jnp.where(has_rows[:, None, :], stats, large_negative())
@@ -210,8 +206,8 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
                                    q_seq_len == 1 and window is not None)
     if planning.use_cudnn(reason, implementation, "this paged_attention call"):
-        layout = paged_decode.choose(batch, q_seq_len, q_heads, kv_heads, page_table.shape[1],
-                                     page_size, window is not None)
+        layout = paged_decode.choose(batch, q_seq_len, q_heads, page_table.shape[1], page_size,
+                                     window is not None)
         compute = functools.partial(_cudnn, _cudnn_config(scale, window, q_seq_len,
                                                           sinks is not None), layout)
     else:

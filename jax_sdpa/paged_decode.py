@@ -1,18 +1,18 @@
-"""Decode steps (one new token per sequence) laid out for cuDNN's paged forward.
+"""Decode steps (one new token per sequence) split along the keys for cuDNN's paged forward.
 
-cuDNN's SDPA forward gives each (sequence, head) its own tiles of query rows. A decode step has
-one row per head, so as given it runs B x N tiles of one useful row each, and with GQA the g
-query heads of a K/V head each read that head's keys and values again. Two rewrites, both exact
-for one query per sequence without a window (every query head then sees the same keys):
+cuDNN's SDPA forward gives each (sequence, query head) its own tiles of query rows and walks that
+sequence's keys in one tile. A decode step has one query row per head, so a small batch runs
+B x N tiles, fewer than the GPU's SMs can overlap, each reading a long run of pages. Split: each
+sequence's pages are cut into S chunks that run as separate batch entries (their own slices of
+the page table, their own lengths), and the partial outputs are merged with their log-sum-exps
+(flash-decoding). Exact for one query per sequence without a window (every chunk's keys are
+then wholly seen or wholly past the sequence's length).
 
-- fold: the g query heads that share a K/V head become g query rows of that head, so one tile
-  reads each K/V head once for all of them (the GQA packing flash-attn's decode kernels use);
-- split: each sequence's pages are cut into S chunks that run as separate batch entries (their
-  own slices of the page table, their own lengths), and the partial outputs are merged with
-  their log-sum-exps (flash-decoding), so that a small batch still fills the GPU.
+Folding the g query heads of a K/V head into g query rows of that head (GQA packing, as
+flash-attn's decode kernels do) was measured and is slower on cuDNN 9.19 at every decode
+configuration of benchmarks/paged.py (1.02x-1.8x: fewer tiles in flight), so it is not done.
 
-The layout is chosen from static shapes and the GPU's SM count (benchmarks/paged.py measures
-it against the plain layout).
+The split count comes from static shapes and the GPU's SM count.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ FALLBACK_SM_COUNT = 132  # an H100 / H200, where the device does not say
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLayout:
-    fold: bool = False  # query heads of one K/V head as rows of that head
-    splits: int = 1     # chunks of pages per sequence, merged by log-sum-exp
+    splits: int = 1  # chunks of pages per sequence, merged by log-sum-exp
 
 
 PLAIN = DecodeLayout()
@@ -43,32 +42,17 @@ def sm_count():
     return int(getattr(device, "core_count", 0) or FALLBACK_SM_COUNT)
 
 
-def choose(batch, q_seq_len, q_heads, kv_heads, max_pages, page_size, windowed, sms=None):
-    """The layout for one call: PLAIN unless it is a decode step (T = 1) without a window."""
+def choose(batch, q_seq_len, q_heads, max_pages, page_size, windowed, sms=None):
+    """The layout for one call: PLAIN unless it is a decode step (T = 1) without a window
+    whose B x N tiles would leave the GPU under WAVES waves."""
     if q_seq_len != 1 or windowed:
         return PLAIN
-    fold = q_heads > kv_heads
-    tiles = batch * (kv_heads if fold else q_heads)
-    wanted = -(-WAVES * (sms or sm_count()) // tiles)
+    wanted = -(-WAVES * (sms or sm_count()) // (batch * q_heads))
     longest = max_pages // max(1, -(-MIN_CHUNK_KEYS // page_size))
     splits = max(1, min(wanted, longest))
     # Whole pages per chunk; no chunk made only of padding.
     chunk_pages = -(-max_pages // splits)
-    return DecodeLayout(fold=fold, splits=-(-max_pages // chunk_pages))
-
-
-def fold_heads(query, kv_heads):
-    """[B, 1, N, H] -> [B, g, K, H]: query head k * g + j becomes row j of K/V head k."""
-    batch, _, q_heads, head_dim = query.shape
-    return query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).transpose(0, 2, 1, 3)
-
-
-def unfold_heads(output, stats):
-    """fold_heads undone on the results: output [B, g, K, Hv] -> [B, 1, N, Hv], stats
-    [B, K, g] -> [B, N, 1]."""
-    batch, group, kv_heads, value_dim = output.shape
-    output = output.transpose(0, 2, 1, 3).reshape(batch, 1, kv_heads * group, value_dim)
-    return output, stats.reshape(batch, kv_heads * group, 1)
+    return DecodeLayout(splits=-(-max_pages // chunk_pages))
 
 
 def split_pages(query, page_table, kv_lengths, splits, page_size):

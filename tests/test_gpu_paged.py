@@ -73,13 +73,12 @@ def test_paged_cudnn_matches_reference(case, dtype):
     np.testing.assert_array_equal(np.asarray(ours, np.float32)[positions < 0], 0)
 
 
-@pytest.mark.parametrize("layout", [paged_decode.DecodeLayout(fold, splits)
-                                    for fold, splits in ((False, 1), (True, 1), (False, 3),
-                                                         (True, 4), (True, 11))], ids=str)
-def test_paged_decode_layouts_match_reference(layout, monkeypatch):
-    """Each decode layout on cuDNN (GQA heads folded into rows; keys split into chunks of
-    pages, merged by log-sum-exp), whatever the automatic choice would be: chunks with no key
-    (an empty sequence, one of one key), lengths inside a page, a chunk of padding pages."""
+@pytest.mark.parametrize("splits", [1, 3, 4, 11])
+def test_paged_decode_splits_match_reference(splits, monkeypatch):
+    """Decode steps with the keys split into chunks of pages merged by log-sum-exp, whatever
+    the automatic choice would be: chunks with no key (an empty sequence, one of one key),
+    lengths inside a page, a last chunk ending in a padding page (11 pages as 4 chunks of 3)."""
+    layout = paged_decode.DecodeLayout(splits)
     monkeypatch.setattr(paged_decode, "choose", lambda *args, **kwargs: layout)
     arrays = paged_problem(7, [700, 0, 1, 333], 1, 32, 8, 128, 64, jnp.bfloat16)
     sinks = jnp.linspace(-2.0, 3.0, 32)
