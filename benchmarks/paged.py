@@ -51,7 +51,8 @@ class PagedConfig:
 
 
 def configs():
-    return [PagedConfig(f"decode-b{b}-{c // 1024}k", b, 1, c) for b in (8, 64)
+    # B = 1 (one user): where splitting the keys should pay, B x N tiles being few.
+    return [PagedConfig(f"decode-b{b}-{c // 1024}k", b, 1, c) for b in (1, 8, 64)
             for c in (4096, 32768)] + [PagedConfig("prefill-512-on-8k", 8, 512, 8192)]
 
 
