@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
-from jax_sdpa import paged_decode
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
 from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 
@@ -51,7 +50,7 @@ class PagedConfig:
 
 
 def configs():
-    # B = 1 (one user): where splitting the keys should pay, B x N tiles being few.
+    # B = 1 (one user) too: few B x N tiles, where splitting the keys would pay if anywhere.
     return [PagedConfig(f"decode-b{b}-{c // 1024}k", b, 1, c) for b in (1, 8, 64)
             for c in (4096, 32768)] + [PagedConfig("prefill-512-on-8k", 8, 512, 8192)]
 
@@ -78,10 +77,6 @@ def implementations(config):
         "jax_sdpa cudnn": lambda *a: jax_sdpa.paged_attention(*a, implementation="cudnn"),
         "reference path": lambda *a: jax_sdpa.paged_attention(*a, implementation="xla"),
     }
-    if config.new_tokens == 1:  # what splitting the keys (jax_sdpa/paged_decode.py) wins
-        for splits in (1, 2, 4):
-            found[f"jax_sdpa cudnn, {splits} split(s)"] = _with_layout(
-                paged_decode.DecodeLayout(splits))
     if config.new_tokens > 1:
         def dense(q, key_cache, value_cache, table, lengths):
             # The same problem over contiguous K/V (the gather is outside the timed call).
@@ -102,18 +97,6 @@ def implementations(config):
             flash_mha_with_kvcache(q, kc, vc, cache_seqlens=lengths, page_table=table,
                                    is_causal=True, num_splits=splits))
     return found
-
-
-def _with_layout(layout):
-    """jax_sdpa's cuDNN path with the decode layout forced (for the comparison only)."""
-    def attend(*arrays):
-        chosen = paged_decode.choose
-        paged_decode.choose = lambda *args, **kwargs: layout
-        try:
-            return jax_sdpa.paged_attention(*arrays, implementation="cudnn")
-        finally:
-            paged_decode.choose = chosen
-    return attend
 
 
 def _gathered(cache, table):

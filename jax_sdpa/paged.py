@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, debug, paged_decode, planning, sinks as sink_logits, validation
+from jax_sdpa import _ffi, debug, planning, sinks as sink_logits, validation
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.reference import attention_reference, large_negative
 
@@ -107,21 +107,14 @@ def _reference(scale, logits_soft_cap, window, query, key_cache, value_cache, pa
     return output
 
 
-def _cudnn(config, layout, query, key_cache, value_cache, page_table, kv_lengths, sinks,
-           has_rows):
-    pages, page_size = key_cache.shape[:2]
+def _cudnn(config, query, key_cache, value_cache, page_table, kv_lengths, sinks, has_rows):
+    batch, q_seq_len = query.shape[:2]
+    q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
     # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
     # of the pool (the reference clamps the same way).
-    page_table = jnp.clip(page_table, 0, pages - 1)
-    lengths = kv_lengths
-    if layout.splits > 1:
-        query, page_table, lengths = paged_decode.split_pages(query, page_table, lengths,
-                                                              layout.splits, page_size)
-    q_lengths = jnp.full((query.shape[0],), query.shape[1], jnp.int32)
-    output, stats = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths, lengths,
-                                            page_table, config)
-    if layout.splits > 1:
-        output, stats = paged_decode.merge_chunks(output, stats, lengths, layout.splits)
+    page_table = jnp.clip(page_table, 0, key_cache.shape[0] - 1)
+    output, stats = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths,
+                                            kv_lengths, page_table, config)
     # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
     # there is not the answer, and their lse must be the empty row's for the sinks.
     stats = jnp.where(has_rows[:, None, :], stats, large_negative())
@@ -206,10 +199,8 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
                                    q_seq_len == 1 and window is not None)
     if planning.use_cudnn(reason, implementation, "this paged_attention call"):
-        layout = paged_decode.choose(batch, q_seq_len, q_heads, page_table.shape[1], page_size,
-                                     window is not None)
         compute = functools.partial(_cudnn, _cudnn_config(scale, window, q_seq_len,
-                                                          sinks is not None), layout)
+                                                          sinks is not None))
     else:
         compute = functools.partial(_reference, scale, cap, window)
     output = _forward_only(compute, query, key_cache, value_cache, page_table, kv_lengths, sinks,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import debug, paged_decode
+from jax_sdpa import debug
 from conftest import relative_error, target
 
 pytestmark = pytest.mark.gpu
@@ -71,22 +71,6 @@ def test_paged_cudnn_matches_reference(case, dtype):
     # Rows of queries before their sequence's first key are zeros, as on the reference path.
     positions = np.asarray(arrays[4])[:, None] - t + np.arange(t)[None, :]
     np.testing.assert_array_equal(np.asarray(ours, np.float32)[positions < 0], 0)
-
-
-@pytest.mark.parametrize("splits", [1, 3, 4, 11])
-def test_paged_decode_splits_match_reference(splits, monkeypatch):
-    """Decode steps with the keys split into chunks of pages merged by log-sum-exp, whatever
-    the automatic choice would be: chunks with no key (an empty sequence, one of one key),
-    lengths inside a page, a last chunk ending in a padding page (11 pages as 4 chunks of 3)."""
-    layout = paged_decode.DecodeLayout(splits)
-    monkeypatch.setattr(paged_decode, "choose", lambda *args, **kwargs: layout)
-    arrays = paged_problem(7, [700, 0, 1, 333], 1, 32, 8, 128, 64, jnp.bfloat16)
-    sinks = jnp.linspace(-2.0, 3.0, 32)
-    with debug.poison_outputs():
-        ours = run("cudnn", arrays, sinks=sinks)
-    expected = run("xla", arrays, upcast=True, sinks=sinks)
-    assert relative_error(ours, expected) < 1e-2
-    np.testing.assert_array_equal(np.asarray(ours[1], np.float32), 0)
 
 
 def test_paged_head_dim_128_and_value_head_dim():

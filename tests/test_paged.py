@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, paged_decode, planning
+from jax_sdpa import _ffi, planning
 import paged_emulator
 
 PAGES, PAGE, K, N, H = 24, 8, 2, 4, 16
@@ -113,43 +113,6 @@ def test_paged_attention_matches_the_oracle(t, options, path):
                       kwargs.get("logits_soft_cap"),
                       None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("path", ["cudnn-emulated"], indirect=True)
-@pytest.mark.parametrize("splits", [1, 2, 4, 6])
-@pytest.mark.parametrize("options", ["plain", "sinks"])
-def test_decode_splits_match_the_oracle(splits, options, path, monkeypatch):
-    """Decode steps with the keys split into chunks of pages, merged by log-sum-exp, give the
-    oracle's answer: chunks that hold no key (short and empty sequences), a last chunk of
-    padding pages, lengths inside a page, sinks on the merged result."""
-    layout = paged_decode.DecodeLayout(splits)
-    monkeypatch.setattr(paged_decode, "choose", lambda *args, **kwargs: layout)
-    kv_lengths = [17, 48, 0, 1]  # 6 pages of 8: 4 chunks of 2 pages leave one of padding
-    q, key_cache, value_cache, table, keys, values = build(kv_lengths, 1, seed=3)
-    sinks = jnp.linspace(-1.0, 1.0, N) if options == "sinks" else None
-    with jax.default_matmul_precision("float32"):
-        out = jax.jit(lambda *a: jax_sdpa.paged_attention(*a, sinks=sinks))(
-            q, key_cache, value_cache, table, jnp.asarray(kv_lengths, jnp.int32))
-    expected = oracle(np.asarray(q), keys, values, kv_lengths,
-                      sinks=None if sinks is None else np.asarray(sinks))
-    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_decode_splits_only_where_the_batch_leaves_sms_idle():
-    choose, layout = paged_decode.choose, paged_decode.DecodeLayout
-    # 32 query heads: B = 2 is 64 tiles -> 5 chunks for 2 waves over 132 SMs; B = 8 is 256
-    # tiles -> 2; B = 64 is plenty.
-    assert choose(2, 1, 32, 512, 64, False, sms=132) == layout(5)
-    assert choose(8, 1, 32, 512, 64, False, sms=132) == layout(2)
-    assert choose(64, 1, 32, 512, 64, False, sms=132) == paged_decode.PLAIN
-    # Chunks keep at least MIN_CHUNK_KEYS keys (8 pages of 64 per chunk)...
-    assert choose(1, 1, 8, 8, 64, False, sms=132).splits == 1
-    assert choose(1, 1, 8, 88, 64, False, sms=132).splits == 11
-    # ... and whole pages: 6 chunks wanted of 10 pages are 5 chunks of 2, none of padding.
-    assert choose(6, 1, 8, 10, 512, False, sms=132).splits == 5
-    # Prefill and windows keep the plain layout (their queries sit at different positions).
-    assert choose(2, 4, 32, 512, 64, False, sms=132) == paged_decode.PLAIN
-    assert choose(2, 1, 32, 512, 64, True, sms=132) == paged_decode.PLAIN
 
 
 def test_kv_update_drops_what_does_not_fit_and_keeps_the_rest():
