@@ -1,8 +1,9 @@
 """Long-sequence causal attention, forward + backward: ring attention over every visible GPU
-(zigzag and contiguous layouts) against one GPU running the whole sequence.
+(zigzag and contiguous layouts; strategies ring and all_gather) against one GPU running the
+whole sequence.
 
     python -m benchmarks.ring [--seq 65536] [--heads 16] [--kv-heads 16] [--head-dim 128]
-                              [--rounds 5] [--trace DIR]
+                              [--rounds 5] [--trace DIR] [--strategy ring --strategy all_gather]
 
 Reports ms per fwd+bwd, the speed-up over one GPU, and the ring's efficiency: (one GPU's time /
 devices) / ring time, 1.0 when communication hides entirely behind compute and the causal work
@@ -53,6 +54,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--trace", default=None)
     parser.add_argument("--implementation", default="cudnn", help="xla: a CPU dry run")
+    parser.add_argument("--strategy", action="append", default=[],
+                        help="ring, all_gather (repeatable; default both)")
     args = parser.parse_args(argv)
     devices = jax.devices()
     kv_heads = args.kv_heads or args.heads
@@ -75,16 +78,19 @@ def main(argv=None):
     mesh = Mesh(np.array(devices), ("seq",))
     spec = NamedSharding(mesh, P(None, "seq"))
     sharded = [jax.device_put(x, spec) for x in (q, k, v, d_out)]
-    for layout in ("zigzag", "contiguous"):
-        ring = fwd_bwd(jax.shard_map(
-            functools.partial(ring_attention, axis_name="seq", is_causal=True, layout=layout,
-                              implementation=args.implementation),
-            mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq")))
-        seconds = timed(ring, sharded, args.rounds)
-        print(f"| ring over {len(devices)} GPUs, {layout} | {seconds * 1e3:.2f} | "
-              f"{one_gpu / seconds:.2f} | {one_gpu / len(devices) / seconds:.2f} |", flush=True)
-        if args.trace:
-            print_trace(ring, sharded, f"{args.trace}/{layout}", seconds)
+    for strategy in args.strategy or ["ring", "all_gather"]:
+        for layout in ("zigzag", "contiguous"):
+            ring = fwd_bwd(jax.shard_map(
+                functools.partial(ring_attention, axis_name="seq", is_causal=True,
+                                  layout=layout, implementation=args.implementation,
+                                  strategy=strategy),
+                mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq")))
+            seconds = timed(ring, sharded, args.rounds)
+            print(f"| {strategy} over {len(devices)} GPUs, {layout} | {seconds * 1e3:.2f} | "
+                  f"{one_gpu / seconds:.2f} | {one_gpu / len(devices) / seconds:.2f} |",
+                  flush=True)
+            if args.trace:
+                print_trace(ring, sharded, f"{args.trace}/{strategy}-{layout}", seconds)
 
 
 def print_trace(fn, args, directory, seconds):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _ffi, kernels, planning, validation
+from jax_sdpa import _ffi, kernels, planning, ring_all_gather, validation
 from jax_sdpa import sinks as sinks_lib
 from jax_sdpa.kernel_config import KernelConfig
 
@@ -39,6 +39,7 @@ class _Scores(NamedTuple):
     scale: float
     soft_cap: float | None
 LAYOUTS = ("contiguous", "zigzag")
+STRATEGIES = ("ring", "all_gather")
 
 
 def _chunks(layout, device, size):
@@ -239,7 +240,7 @@ def _mesh_platform(x):
     return getattr(device, "platform", None)
 
 
-def _implementation(query, key, value, requested, parts, logits_soft_cap):
+def _implementation(query, key, value, requested, q_block, kv_block, logits_soft_cap):
     """"cudnn" where the block attention (forward and backward) can run there, else "xla":
     decided, warned about or refused as dot_product_attention decides (jax_sdpa/planning.py)."""
     reason = planning.device_reason()
@@ -249,15 +250,14 @@ def _implementation(query, key, value, requested, parts, logits_soft_cap):
     reason = reason or planning.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
                                                             ("value head_dim", value.shape[-1])))
     reason = reason or planning.soft_cap_reason(logits_soft_cap)
-    reason = reason or planning.backward_reason(query.shape[1] // parts, key.shape[1] // parts,
-                                                query.shape[-1], value.shape[-1],
-                                                logits_soft_cap)
+    reason = reason or planning.backward_reason(q_block, kv_block, query.shape[-1],
+                                                value.shape[-1], logits_soft_cap)
     return "cudnn" if planning.use_cudnn(reason, requested, "this ring attention") else "xla"
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
                    return_residual=False, layout="contiguous", implementation=None,
-                   logits_soft_cap=None, sinks=None):
+                   logits_soft_cap=None, sinks=None, strategy="ring"):
     """Attention over a sequence split along mesh axis `axis_name`; call inside shard_map.
 
     query [B, T/P, N, H] and key/value [B, S/P, K, H] are this device's blocks (T = S when
@@ -266,8 +266,13 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     kernels where they can run, else the reference path with a one-time warning naming why),
     "cudnn" (or NotImplementedError naming why) or "xla". logits_soft_cap and sinks (float
     [N], replicated over the ring axis) as in dot_product_attention: the sinks join each row's
-    merged denominator once. Returns the local output block (and, with return_residual, the
-    float32 log-sum-exp [B, T/P, N] of the global softmax rows, the sink included).
+    merged denominator once. strategy="ring": key/value blocks travel around the ring,
+    P - 1 exchanges overlapped with the block kernels; "all_gather": every device gathers the
+    whole sequence's keys and values once and runs one kernel per local query chunk (causal:
+    over the keys up to the chunk's end; dk, dv reduce-scattered home): fewer, larger kernels
+    at the cost of the full K/V on every device (jax_sdpa/ring_all_gather.py). Returns the
+    local output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the
+    global softmax rows, the sink included).
     """
     if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"ring_attention takes [B, T, N, H] blocks, got {query.shape}, "
@@ -280,16 +285,33 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
                          f"{query.shape[1]} and {key.shape[1]}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
     scale = validation.checked_scale(scale, query.shape[-1])
     logits_soft_cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, query.shape[2], query.dtype)
-    implementation = _implementation(query, key, value, implementation,
-                                     len(_chunks(layout, 0, 1)), logits_soft_cap)
-    out, lse = _ring(query, key, value, sinks, axis_name, bool(is_causal),
-                     _Scores(scale, logits_soft_cap), layout, implementation)
+    parts = len(_chunks(layout, 0, 1))
+    scores = _Scores(scale, logits_soft_cap)
+    if strategy == "all_gather":
+        size = lax.axis_size(axis_name)
+        implementation = _implementation(query, key, value, implementation,
+                                         query.shape[1] // parts, key.shape[1] * size,
+                                         logits_soft_cap)
+        unpermute = ((lambda x: zigzag_unpermute(x, size)) if layout == "zigzag"
+                     else (lambda x: x))
+        chunks = _chunks(layout, lax.axis_index(axis_name), size)
+        out, lse = ring_all_gather.all_gather_attention(
+            query, key, value, sinks, axis_name, bool(is_causal), scores, chunks, unpermute,
+            implementation)
+    else:
+        implementation = _implementation(query, key, value, implementation,
+                                         query.shape[1] // parts, key.shape[1] // parts,
+                                         logits_soft_cap)
+        out, lse = _ring(query, key, value, sinks, axis_name, bool(is_causal), scores, layout,
+                         implementation)
     if return_residual:
         return out, lax.stop_gradient(lse).transpose(0, 2, 1)
     return out

@@ -21,7 +21,7 @@ def cpu_mesh(size):
     return Mesh(np.array(devices[:size]), ("seq",))
 
 
-def ring_and_single(mesh, is_causal, layout, implementation=None):
+def ring_and_single(mesh, is_causal, layout, implementation=None, strategy="ring"):
     """(ring fn, single-device fn) on global [B, S, N, H] arrays; the zigzag ring sees the
     sequence in zigzag order and gives it back in the natural one."""
     spec = P(None, "seq")
@@ -29,7 +29,7 @@ def ring_and_single(mesh, is_causal, layout, implementation=None):
     ring_blocks = jax.shard_map(
         lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=is_causal,
                                        return_residual=True, layout=layout,
-                                       implementation=implementation),
+                                       implementation=implementation, strategy=strategy),
         mesh=mesh, in_specs=spec, out_specs=(spec, spec))
 
     def ring(q, k, v):
@@ -73,6 +73,24 @@ def test_ring_matches_single_device(devices, layout, is_causal, kv_heads):
     compare(ring, single, q, k, v, d_out, 1e-5, 1e-4)
 
 
+@pytest.mark.parametrize("devices,layout", [(2, "contiguous"), (4, "contiguous"),
+                                            (2, "zigzag"), (4, "zigzag")])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+def test_all_gather_strategy_matches_single_device(devices, layout, is_causal, kv_heads):
+    """strategy="all_gather": K/V gathered once, one call per local query chunk over the keys
+    up to its end (causal: bottom-right on the actual key count), dk/dv reduce-scattered."""
+    mesh = cpu_mesh(devices)
+    q, k, v, d_out = random_qkv(devices + kv_heads + 11, 2, 64, 64, 4, kv_heads, 16,
+                                jnp.float32)
+    spec = NamedSharding(mesh, P(None, "seq"))
+    q, k, v, d_out = (jax.device_put(x, spec) for x in (q, k, v, d_out))
+    ring, single = ring_and_single(mesh, is_causal, layout, strategy="all_gather")
+    compare(ring, single, q, k, v, d_out, 1e-5, 1e-4)
+    text = ring.lower(q, k, v).as_text()
+    assert "all_gather" in text and "collective_permute" not in text
+
+
 def test_zigzag_permute_round_trips():
     x = jnp.arange(2 * 24).reshape(2, 24)
     np.testing.assert_array_equal(zigzag_unpermute(zigzag_permute(x, 3), 3), x)
@@ -80,9 +98,10 @@ def test_zigzag_permute_round_trips():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ring_on_gpus_with_cudnn_blocks(is_causal, layout):
+def test_ring_on_gpus_with_cudnn_blocks(is_causal, layout, strategy):
     """Every visible GPU in the ring (one on nvidia-h200, two on nvidia-h200-x2), bf16 blocks
     on our cuDNN kernels (checked in the compiled program), GQA, against float32."""
     devices = jax.devices()
@@ -91,7 +110,8 @@ def test_ring_on_gpus_with_cudnn_blocks(is_causal, layout):
                                 jnp.bfloat16)
     spec = NamedSharding(mesh, P(None, "seq"))
     q, k, v, d_out = (jax.device_put(x, spec) for x in (q, k, v, d_out))
-    ring, single = ring_and_single(mesh, is_causal, layout, implementation="cudnn")
+    ring, single = ring_and_single(mesh, is_causal, layout, implementation="cudnn",
+                                   strategy=strategy)
     text = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v)[0].astype(jnp.float32).sum())).lower(
         q, k, v).compile().as_text()
     assert target("forward") in text and target("backward") in text
@@ -117,6 +137,8 @@ def test_ring_rejects_bad_blocks():
     q = jnp.zeros((1, 8, 4, 16))
     with pytest.raises(ValueError, match="layout"):
         ring_attention(q, q, q, axis_name="seq", layout="striped")
+    with pytest.raises(ValueError, match="strategy"):
+        ring_attention(q, q, q, axis_name="seq", strategy="broadcast")
     with pytest.raises(ValueError, match="multiple"):
         ring_attention(q, q[:, :, :3], q[:, :, :3], axis_name="seq")
     with pytest.raises(ValueError, match="causal"):

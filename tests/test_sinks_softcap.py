@@ -243,10 +243,11 @@ def test_sinks_follow_the_head_sharding(layout):
         assert relative_error(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ring_joins_the_sink_once(layout):
-    """Ring attention with sinks and soft-cap on 4 host devices against one device: output,
-    lse and the gradients of q, k, v and the sinks."""
+def test_ring_joins_the_sink_once(layout, strategy):
+    """Ring attention (both strategies) with sinks and soft-cap on 4 host devices against one
+    device: output, lse and the gradients of q, k, v and the sinks."""
     devices = jax.devices("cpu")[:4]
     mesh = Mesh(np.array(devices), ("seq",))
     keys = jax.random.split(jax.random.key(5), 5)
@@ -259,7 +260,7 @@ def test_ring_joins_the_sink_once(layout):
     blocks = jax.shard_map(
         lambda q, k, v, s: ring_attention(q, k, v, axis_name="seq", is_causal=True,
                                           layout=layout, logits_soft_cap=CAP, sinks=s,
-                                          return_residual=True),
+                                          return_residual=True, strategy=strategy),
         mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=(spec, spec))
 
     def ring(q, k, v, s):
