@@ -27,9 +27,8 @@ def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
                   diagonal_offset=0, query_segment_ids=None, kv_segment_ids=None):
     """Boolean mask broadcastable to [B, N, T, S] (True = attend), or None when nothing masks.
 
-    Query i sits on the diagonal at key i + diagonal_offset (0: top-left, S - T: bottom-right;
-    an int, or int32 [B, 1, 1] for one offset per batch entry); causal and the window are
-    measured from there. Segment ids ([B, T] / [B, S]; the keys'
+    Query i sits on the diagonal at key i + diagonal_offset (0: top-left, S - T: bottom-right);
+    causal and the window are measured from there. Segment ids ([B, T] / [B, S]; the keys'
     default to the queries'): a query sees only keys with its id. This is the one place the
     structured masks become a dense one."""
     parts = []
@@ -40,13 +39,11 @@ def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
         parts.append(query_segment_ids[:, None, :, None] == kv_ids[:, None, None, :])
     q_pos = jnp.arange(q_seq_len)[:, None] + diagonal_offset
     k_pos = jnp.arange(kv_seq_len)[None, :]
-    # [T, S] -> [1, 1, T, S]; per batch entry [B, T, S] -> [B, 1, T, S]
-    banded = lambda x: x[None, None] if x.ndim == 2 else x[:, None]  # noqa: E731
     if is_causal:
-        parts.append(banded(q_pos >= k_pos))
+        parts.append((q_pos >= k_pos)[None, None])
     if local_window_size is not None:
         left, right = local_window_size
-        parts.append(banded((q_pos <= k_pos + left) & (q_pos >= k_pos - right)))
+        parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
     if query_seq_lengths is not None:
         parts.append((jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None])[:, None, :, None])
     if key_value_seq_lengths is not None:

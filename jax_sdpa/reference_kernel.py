@@ -45,13 +45,6 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
     """attention_reference on `query` (rows first_row.. of the call's queries)."""
     key, value = inputs["key"], inputs["value"]
     offset = key.shape[1] - inputs["query"].shape[1] if config.bottom_right else 0
-    if config.bottom_right and inputs.get("kv_lengths") is not None:
-        # As cuDNN with its padding mask: the bottom-right diagonal of each batch entry's
-        # actual lengths ([B, 1, 1] against the mask's [T, S]).
-        q_valid = inputs.get("q_lengths")
-        if q_valid is None:
-            q_valid = inputs["query"].shape[1]
-        offset = (inputs["kv_lengths"] - q_valid)[:, None, None]
     # The keys' ids: their own, or (self-attention packing) all of the queries'.
     kv_segment_ids = inputs.get("kv_segment_ids", inputs.get("q_segment_ids"))
     return attention_reference(

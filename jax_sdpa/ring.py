@@ -12,6 +12,9 @@ so every device does the same work at every step (zigzag_permute puts a sequence
 zigzag_unpermute takes it back). layout="contiguous" is the plain split: device d waits idle on
 the blocks after its own.
 
+strategy="all_gather" gathers every block once instead (jax_sdpa/ring_all_gather.py); the
+blocks' kernels and their merge are shared (jax_sdpa/ring_blocks.py).
+
     from jax.sharding import PartitionSpec as P
     fn = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=True),
                        mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
@@ -20,24 +23,16 @@ the blocks after its own.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _ffi, kernels, planning, ring_all_gather, validation
+from jax_sdpa import planning, ring_all_gather, validation
 from jax_sdpa import sinks as sinks_lib
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.ring_blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
+                                 merge, with_sinks)
 
-_FULL, _DIAGONAL, _SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
-
-
-class _Scores(NamedTuple):
-    """How a block's scores are formed: scale * Q K^T, then soft-capped (None: not)."""
-
-    scale: float
-    soft_cap: float | None
 LAYOUTS = ("contiguous", "zigzag")
 STRATEGIES = ("ring", "all_gather")
 
@@ -51,97 +46,24 @@ def _chunks(layout, device, size):
 
 def _kind(query_chunk, key_chunk, is_causal):
     if not is_causal:
-        return jnp.int32(_FULL)
-    return jnp.where(key_chunk == query_chunk, _DIAGONAL,
-                     jnp.where(key_chunk < query_chunk, _FULL, _SKIP))
+        return jnp.int32(FULL)
+    return jnp.where(key_chunk == query_chunk, DIAGONAL,
+                     jnp.where(key_chunk < query_chunk, FULL, SKIP))
 
 
 def _split(x, parts):
     return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
-def _block_config(implementation, scores, kind):
-    return KernelConfig(scale=scores.scale, window_right=0 if kind == _DIAGONAL else -1,
-                        implementation=implementation, command_buffer=_ffi.command_buffers(),
-                        logits_soft_cap=scores.soft_cap or 0.0)
-
-
-def _block_forward(implementation, scores, kind, q, k, v):
-    """(output float32 [B,t,N,H], lse float32 [B,N,t]) of one chunk pair; a skipped pair has
-    lse -inf and output 0 (shaped from the inputs so they vary over the mesh as they do)."""
-    if kind == _SKIP:
-        out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros_like(v[:, :1, :1, :],
-                                                                      jnp.float32)
-        lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1)
-        return out, lse
-    if implementation == "xla":  # float32 blocks
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = kernels.forward(_block_config(implementation, scores, kind),
-                               dict(query=q, key=k, value=v))
-    return out.astype(jnp.float32), lse
-
-
-def _reference_block_backward(scores, kind, q, k, v, out, lse, d_out):
-    """The float32 reference of cuDNN's block backward under given (global) out and lse."""
-    scale, soft_cap = scores
-    q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
-    b, s_len, kv_heads, _ = k.shape
-    groups = q.shape[2] // kv_heads
-    expand = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
-    hp = lax.Precision.HIGHEST
-    logits = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
-    capped = None
-    if soft_cap:
-        capped = jnp.tanh(logits / soft_cap)
-        logits = soft_cap * capped
-    if kind == _DIAGONAL:
-        t, n = logits.shape[-2:]
-        logits = jnp.where(jnp.tril(jnp.ones((t, n), bool)), logits, -jnp.inf)
-    p = jnp.exp(logits - lse[..., None])
-    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hp)
-    dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=hp)
-    row_dot = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # D = rowsum(dO * O), [B,N,T]
-    ds = p * (dp - row_dot[..., None])
-    if capped is not None:  # d(cap * tanh(x / cap)) / dx
-        ds = ds * (1.0 - capped * capped)
-    dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=hp) * scale
-    dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hp) * scale
-    fold = lambda x: x.reshape(b, s_len, kv_heads, groups, x.shape[-1]).sum(3)  # noqa: E731
-    return dq, fold(dk), fold(dv)
-
-
-def _block_backward(implementation, scores, kind, q, k, v, out, lse, d_out):
-    """One chunk pair's exact share of (dq, dk, dv), float32, given the global out and lse."""
-    if kind == _SKIP:
-        return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
-                jnp.zeros_like(v, jnp.float32))
-    if implementation == "xla":
-        return _reference_block_backward(scores, kind, q, k, v, out, lse, d_out)
-    dq, dk, dv, _ = kernels.backward(_block_config(implementation, scores, kind),
-                                     dict(query=q, key=k, value=v), out.astype(q.dtype), lse,
-                                     d_out.astype(q.dtype))
-    return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
-
-
 def _switch(kind, implementation, scores, block_fn, *args):
     branches = [functools.partial(block_fn, implementation, scores, k)
-                for k in (_FULL, _DIAGONAL, _SKIP)]
+                for k in (FULL, DIAGONAL, SKIP)]
     return lax.switch(kind, branches, *args)
 
 
 def _ring_permutation(axis_name):
     size = lax.axis_size(axis_name)
     return [(j, (j + 1) % size) for j in range(size)]
-
-
-def _merge(out, lse, block_out, block_lse):
-    if out is None:
-        return block_out, block_lse
-    merged = jnp.logaddexp(lse, block_lse)
-    # Rows that no block has reached yet have lse -inf on both sides: keep them at 0.
-    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)
-    weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]  # noqa: E731
-    return out * weight(lse) + block_out * weight(block_lse), merged
 
 
 def _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation):
@@ -159,8 +81,8 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementa
             for k_chunk, v_chunk, k_index in zip(_split(kb, parts), _split(vb, parts),
                                                   _chunks(layout, source, size)):
                 block = _switch(_kind(q_index, k_index, is_causal), implementation, scores,
-                                _block_forward, q_chunk, k_chunk, v_chunk)
-                outs[i], lses[i] = _merge(outs[i], lses[i], *block)
+                                block_forward, q_chunk, k_chunk, v_chunk)
+                outs[i], lses[i] = merge(outs[i], lses[i], *block)
         if following is not None:
             kb, vb = following
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
@@ -184,7 +106,7 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores, 
                 _split(kb, parts), _split(vb, parts), _chunks(layout, source, size))):
             for i, q_index in enumerate(_chunks(layout, me, size)):
                 block_dq, block_dk, block_dv = _switch(
-                    _kind(q_index, k_index, is_causal), implementation, scores, _block_backward,
+                    _kind(q_index, k_index, is_causal), implementation, scores, block_backward,
                     q_chunks[i], k_chunk, v_chunk, out_chunks[i], lse_chunks[i],
                     d_out_chunks[i])
                 dq[i] = dq[i] + block_dq
@@ -198,21 +120,16 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores, 
     return jnp.concatenate(dq, axis=1), dk, dv
 
 
-def _with_sinks(out, lse, sinks):
-    """The merged rows' (out, lse) with the sinks joined once to each denominator."""
-    return (out, lse) if sinks is None else sinks_lib.apply(out, lse, sinks)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _ring(q, k, v, sinks, axis_name, is_causal, scores, layout, implementation):
     out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation)
-    out, lse = _with_sinks(out, lse, sinks)
+    out, lse = with_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
 
 def _ring_fwd(q, k, v, sinks, axis_name, is_causal, scores, layout, implementation):
     out, lse = _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation)
-    out, lse = _with_sinks(out, lse, sinks)
+    out, lse = with_sinks(out, lse, sinks)
     return (out.astype(q.dtype), lse), (q, k, v, sinks, out, lse)
 
 
@@ -294,7 +211,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     logits_soft_cap = validation.checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, query.shape[2], query.dtype)
     parts = len(_chunks(layout, 0, 1))
-    scores = _Scores(scale, logits_soft_cap)
+    scores = Scores(scale, logits_soft_cap)
     if strategy == "all_gather":
         size = lax.axis_size(axis_name)
         implementation = _implementation(query, key, value, implementation,
