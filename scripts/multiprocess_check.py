@@ -11,8 +11,8 @@ device:
 - sharding: jax_sdpa's kernels (cuDNN on GPUs, the reference kernel on CPU) under jit with q/k/v
   sharded over batch ("data") and heads ("model") across the processes: the compiled program has
   no collective (but the all-reduce of a broadcast bias's gradient), every result matches;
-- ring: jax_sdpa.ring.ring_attention over all devices (zigzag and contiguous, causal and full,
-  GQA), output, lse and gradients;
+- ring: jax_sdpa.ring.ring_attention over all devices (strategies ring and all_gather, zigzag
+  and contiguous, causal and full, GQA), output, lse and gradients;
 - example: examples/sharded_training.py in both modes, a few steps, the loss falling.
 Exit status 0 only if every process passed every check.
 """

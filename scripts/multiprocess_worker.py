@@ -3,6 +3,7 @@ checks on a global mesh over every process's devices (see that script's docstrin
 
 from __future__ import annotations
 
+import itertools
 import re
 import traceback
 
@@ -117,38 +118,39 @@ def check_ring(platform):
     head_dim = 128 if platform == "gpu" else 16
     tolerances = (1e-2, 2e-2) if platform == "gpu" else (1e-5, 1e-4)
     done = []
-    for layout in ("zigzag", "contiguous"):
-        for is_causal in (True, False):
-            seq = 128 * size
-            q, d_out = (_random((2, seq, 8, head_dim), s, dtype) for s in (11, 14))
-            k, v = (_random((2, seq, 2, head_dim), s, dtype) for s in (12, 13))
-            blocks = jax.shard_map(
-                lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=is_causal,
-                                               layout=layout, return_residual=True),
-                mesh=mesh, in_specs=P(None, "seq"), out_specs=(P(None, "seq"),) * 2)
+    for strategy, layout, is_causal in itertools.product(("ring", "all_gather"),
+                                                         ("zigzag", "contiguous"), (True, False)):
+        seq = 128 * size
+        q, d_out = (_random((2, seq, 8, head_dim), s, dtype) for s in (11, 14))
+        k, v = (_random((2, seq, 2, head_dim), s, dtype) for s in (12, 13))
+        blocks = jax.shard_map(
+            lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=is_causal,
+                                           layout=layout, return_residual=True,
+                                           strategy=strategy),
+            mesh=mesh, in_specs=P(None, "seq"), out_specs=(P(None, "seq"),) * 2)
 
-            def ring(q, k, v, d_out):
-                out, vjp = jax.vjp(lambda q, k, v: blocks(q, k, v)[0], q, k, v)
-                return (out, blocks(q, k, v)[1], *vjp(d_out))
-            permute = (lambda x: zigzag_permute(x, size)) if layout == "zigzag" else np.asarray
-            unpermute = ((lambda x: zigzag_unpermute(x, size)) if layout == "zigzag" else
-                         (lambda x: x))
-            results = jax.jit(ring)(*(_global(permute(x), spec) for x in (q, k, v, d_out)))
-            results = [np.asarray(unpermute(_gathered(r))) for r in results]
+        def ring(q, k, v, d_out):
+            out, vjp = jax.vjp(lambda q, k, v: blocks(q, k, v)[0], q, k, v)
+            return (out, blocks(q, k, v)[1], *vjp(d_out))
+        permute = (lambda x: zigzag_permute(x, size)) if layout == "zigzag" else np.asarray
+        unpermute = ((lambda x: zigzag_unpermute(x, size)) if layout == "zigzag" else
+                     (lambda x: x))
+        results = jax.jit(ring)(*(_global(permute(x), spec) for x in (q, k, v, d_out)))
+        results = [np.asarray(unpermute(_gathered(r))) for r in results]
 
-            def single(q, k, v, d_out):
-                def fn(q, k, v):
-                    return jax_sdpa.dot_product_attention(
-                        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                        is_causal=is_causal, implementation="xla", return_residual=True)
-                (out, lse), vjp = jax.vjp(fn, q, k, v)
-                return (out, lse, *vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse))))
-            expected = _local(single, q, k, v, d_out)
-            for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), results, expected):
-                tol = tolerances[0] if name in ("out", "lse") else tolerances[1]
-                error = _relative_error(a, e)
-                assert error < tol, f"{layout} causal={is_causal} {name}: {error:.2e}"
-            done.append(f"{layout}{'/causal' if is_causal else ''}")
+        def single(q, k, v, d_out):
+            def fn(q, k, v):
+                return jax_sdpa.dot_product_attention(
+                    q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                    is_causal=is_causal, implementation="xla", return_residual=True)
+            (out, lse), vjp = jax.vjp(fn, q, k, v)
+            return (out, lse, *vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse))))
+        expected = _local(single, q, k, v, d_out)
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), results, expected):
+            tol = tolerances[0] if name in ("out", "lse") else tolerances[1]
+            error = _relative_error(a, e)
+            assert error < tol, f"{strategy} {layout} causal={is_causal} {name}: {error:.2e}"
+        done.append(f"{strategy} {layout}{'/causal' if is_causal else ''}")
     return f"ring over {size} devices in {jax.process_count()} processes: " + ", ".join(done)
 
 
