@@ -1,13 +1,17 @@
 """Where a packed call's compile time goes, and what runs around its kernels.
 
-    python -m benchmarks.packed_compile [--trace DIR]
+    python -m benchmarks.packed_compile [--config 8x1024] [--trace DIR] [--time ROUNDS]
 
 Compiles one packed fwd+bwd step (benchmarks/packed.py's 8x1024 config, one call) with parts of
 the packed path taken out, to see which part costs: every branch (as shipped); the ragged
 branches without the exact fallback (a stand-in that returns zeros: timing only, never run);
 the fallback with one ragged plan; the dense (non-packed) call for scale. With --trace, writes a
 jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls to DIR, and prints the
-GPU time per kernel name from it.
+GPU time per kernel name from it. With --time, times the fwd+bwd chains (interleaved rounds) of
+the shipped call, of one ragged plan with and without the lax.switch around it (the switch's
+predicate is read on the host before the branch can launch: the difference is that round
+trip's cost; without the switch nothing checks the ids, so that variant is for timing only), and
+of the per-document bound.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import glob
 import gzip
 import json
+import statistics
 import time
 import types
 
@@ -82,6 +87,43 @@ def variants(ids):
         reference_kernel=_no_fallback())
 
 
+def _without_switch():
+    """lax.switch replaced by its first branch while a variant is traced (timing only)."""
+    return _patched(jax.lax, switch=lambda index, branches, *operands: branches[0](*operands))
+
+
+def timed_variants(config, ids, rounds):
+    """Prints the median ms per fwd+bwd call of each variant and its ratio to the bound."""
+    from benchmarks.attention import interleaved_rounds  # noqa: PLC0415
+
+    def packed(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                              implementation="cudnn")
+
+    def one_plan():
+        return _patched(kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,))
+    cases = [  # (name, attention, the patches active while it is traced)
+        ("packed, as shipped", packed, []),
+        ("packed, one plan + fallback, switch", packed, [one_plan()]),
+        ("packed, one plan, no switch", packed, [one_plan(), _without_switch()]),
+        ("per-document bound", _per_document(config), []),
+    ]
+    inputs = make_inputs(config, seed=0)
+    compiled = {}
+    for name, attention, patches in cases:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            compiled[name] = timed_functions(attention)["fwd+bwd"].lower(inputs).compile()
+        jax.block_until_ready(compiled[name](inputs))
+    samples = interleaved_rounds(compiled, lambda name: inputs, rounds)
+    bound = statistics.median(samples["per-document bound"])
+    for name, seconds in samples.items():
+        median = statistics.median(seconds)
+        print(f"{config.name} fwd+bwd, {name}: {median * 1e3:.3f} ms per call "
+              f"({median / bound:.3f}x the per-document bound; median of {rounds})", flush=True)
+
+
 def kernel_times(trace_dir):
     """({kernel name: total µs}, {kernel name: events}) from the Perfetto JSON of a
     jax.profiler trace (GPU timelines only)."""
@@ -102,6 +144,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="8x1024")
     parser.add_argument("--trace", default=None)
+    parser.add_argument("--time", type=int, default=0, metavar="ROUNDS")
     args = parser.parse_args(argv)
     config = next(c for c in configs() if c.name == args.config)
     ids = jnp.asarray(config.segment_ids())
@@ -111,6 +154,8 @@ def main(argv=None):
             lowering, compiling = compile_seconds(attention, inputs)
             print(f"{config.name}, one fwd+bwd call, {name}: trace+lower {lowering:.2f} s, "
                   f"XLA compile {compiling:.2f} s", flush=True)
+    if args.time:
+        timed_variants(config, ids, args.time)
     if args.trace:
         traced = {"packed": next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped"),
                   "per-document bound": _per_document(config)}
