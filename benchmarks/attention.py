@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.configs import ANCHOR_CONFIGS, Config, parse_config
+from benchmarks.configs import ANCHOR_CONFIGS, Config, parse_config, published_rows
 from benchmarks.implementations import available
 from benchmarks.report import chart, markdown, memory_markdown
 
@@ -103,7 +103,7 @@ def bench_config(config, rounds, command_buffers=False):
         fa3 = [r for r in rows if r["impl"] == "flash-attn3-jax" and r["mode"] == row["mode"]]
         row["vs_jax_nn_cudnn"] = row["ms"] / base["ms"]
         row["vs_flash_attn3"] = row["ms"] / fa3[0]["ms"] if fa3 else None
-    return rows
+    return rows + published_rows(config, rows)
 
 
 def memory_rows(config):

@@ -1,11 +1,12 @@
 """The benchmarks' bookkeeping, without a GPU: which plan calls run, and the ratios the plan
-table reports (benchmarks/plans.py), and config parsing (benchmarks/configs.py)."""
+table reports (benchmarks/plans.py), config parsing and NVIDIA's reference row
+(benchmarks/configs.py)."""
 
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import plans
-from benchmarks.configs import parse_config
+from benchmarks.configs import ANCHOR_CONFIGS, PUBLISHED, parse_config, published_rows
 
 
 def plan(index, ms, error=""):
@@ -39,6 +40,20 @@ def test_parse_config():
             config.head_dim, config.causal) == ("mine", 2, 2048, 16, 4, 128, True)
     assert config.dtype == jnp.bfloat16
     assert config.forward_flops() == 4.0 * 2 * 16 * 2048 ** 2 * 128 / 2
+
+
+def test_the_llama_shape_carries_nvidias_published_figures_as_a_reference_row():
+    llama = next(c for c in ANCHOR_CONFIGS if c.name == "llama3.1-s16k")
+    measured = [dict(impl="jax.nn cudnn", mode=mode, ms=ms) for mode, ms in
+                (("fwd", 10.0), ("fwd+bwd", 40.0))]
+    fwd, fwd_bwd = published_rows(llama, measured)
+    assert fwd["impl"] == fwd_bwd["impl"] == PUBLISHED
+    assert np.isclose(fwd["tflops"], 673.0)
+    # fwd+bwd: the time of the forward at 673 plus the backward (2.5x its FLOPs) at 579
+    assert np.isclose(fwd_bwd["tflops"], 3.5 / (1 / 673.0 + 2.5 / 579.0))
+    assert np.isclose(fwd["vs_jax_nn_cudnn"], fwd["ms"] / 10.0)
+    assert fwd["vs_flash_attn3"] is None
+    assert published_rows(ANCHOR_CONFIGS[0], measured) == []
 
 
 def test_rounds_interleave_every_function():
