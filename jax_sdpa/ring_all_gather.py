@@ -2,7 +2,8 @@
 
 Every device gathers the whole sequence's keys and values over the ring axis (one all-gather
 each), then attends each of its query chunks with two kernel calls: the chunk against its own
-key chunk (causal, a static diagonal) and against every key before it (no mask: the prefix's
+key chunk (causal, a static diagonal; this device holds that chunk already, so these kernels
+need not wait for the all-gather) and against every key before it (no mask: the prefix's
 length, which depends on the device, is the keys' valid length, and cuDNN's padding mask skips
 every tile past it), merged through their log-sum-exp. One call over all keys with the causal
 diagonal aligned bottom-right on the actual key count gives the same answer, but measured on
@@ -29,71 +30,79 @@ from jax_sdpa.ring_blocks import (DIAGONAL, FULL, block_backward, block_forward,
                                  with_sinks)
 
 
-def _pieces(q_chunk, k_all, v_all, index, is_causal):
-    """[(kind, key/value chunk, kv_length, where the keys start)] of one query chunk (global
-    chunk index `index`, traced) against the gathered keys."""
+def _pieces(q_chunk, own_k, own_v, k_all, v_all, index, is_causal):
+    """[(kind, keys, values, kv_length, own)] of one query chunk (global chunk index `index`,
+    traced): own marks the piece over the chunk's own keys, which this device holds already,
+    so that piece's kernels need not wait for the all-gather."""
     if not is_causal:
-        return [(FULL, k_all, v_all, None, None)]
-    size = q_chunk.shape[1]
-    start = index * size
-    own = lambda x: lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
-    return [(DIAGONAL, own(k_all), own(v_all), None, start),
-            (FULL, k_all, v_all, start, None)]  # the keys before the chunk
+        return [(FULL, k_all, v_all, None, False)]
+    before = index * q_chunk.shape[1]  # keys before the chunk
+    return [(DIAGONAL, own_k, own_v, None, True), (FULL, k_all, v_all, before, False)]
 
 
-def _forward(q, k_all, v_all, indices, is_causal, scores, implementation):
+def _chunked(x, parts, axis=1):
+    return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation):
     parts = len(indices)
     outs, lses = [], []
-    for q_chunk, index in zip(jnp.split(q, parts, axis=1), indices):
+    for q_chunk, own_k, own_v, index in zip(_chunked(q, parts), _chunked(k, parts),
+                                            _chunked(v, parts), indices):
         out = lse = None
-        for kind, k, v, kv_length, _ in _pieces(q_chunk, k_all, v_all, index, is_causal):
-            out, lse = merge(out, lse, *block_forward(implementation, scores, kind, q_chunk, k,
-                                                      v, kv_length))
+        for kind, keys, values, kv_length, _ in _pieces(q_chunk, own_k, own_v, k_all, v_all,
+                                                        index, is_causal):
+            out, lse = merge(out, lse, *block_forward(implementation, scores, kind, q_chunk,
+                                                      keys, values, kv_length))
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attend(q, k_all, v_all, sinks, indices, is_causal, scores, implementation):
-    out, lse = _forward(q, k_all, v_all, indices, is_causal, scores, implementation)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attend(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implementation):
+    out, lse = _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation)
     out, lse = with_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
 
-def _attend_fwd(q, k_all, v_all, sinks, indices, is_causal, scores, implementation):
-    out, lse = _forward(q, k_all, v_all, indices, is_causal, scores, implementation)
+def _attend_fwd(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implementation):
+    out, lse = _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation)
     out, lse = with_sinks(out, lse, sinks)
-    return (out.astype(q.dtype), lse), (q, k_all, v_all, sinks, indices, out, lse)
+    return (out.astype(q.dtype), lse), (q, k, v, k_all, v_all, sinks, indices, out, lse)
 
 
 def _attend_bwd(is_causal, scores, implementation, residuals, cotangents):
-    q, k_all, v_all, sinks, indices, out, lse = residuals
+    q, k, v, k_all, v_all, sinks, indices, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
     if sinks is not None:  # rows the sink took whole pass nothing back (jax_sdpa/sinks.py)
         d_out = jnp.where(sinks_lib.rows_kept(lse, sinks)[..., None], d_out, 0)
     parts = len(indices)
-    split = lambda x, axis=1: jnp.split(x, parts, axis=axis)  # noqa: E731
-    dq = []
-    dk, dv = jnp.zeros_like(k_all, jnp.float32), jnp.zeros_like(v_all, jnp.float32)
-    for q_chunk, out_chunk, lse_chunk, d_out_chunk, index in zip(
-            split(q), split(out), split(lse, 2), split(d_out), indices):
+    dq, dk_own, dv_own = [], [], []
+    dk_all, dv_all = jnp.zeros_like(k_all, jnp.float32), jnp.zeros_like(v_all, jnp.float32)
+    for q_chunk, own_k, own_v, out_chunk, lse_chunk, d_out_chunk, index in zip(
+            _chunked(q, parts), _chunked(k, parts), _chunked(v, parts), _chunked(out, parts),
+            _chunked(lse, parts, axis=2), _chunked(d_out, parts), indices):
         dq_chunk = jnp.zeros_like(q_chunk, jnp.float32)
-        for kind, k, v, kv_length, start in _pieces(q_chunk, k_all, v_all, index, is_causal):
+        dk_chunk, dv_chunk = (jnp.zeros_like(own_k, jnp.float32),
+                              jnp.zeros_like(own_v, jnp.float32))
+        for kind, keys, values, kv_length, own in _pieces(q_chunk, own_k, own_v, k_all, v_all,
+                                                          index, is_causal):
             piece_dq, piece_dk, piece_dv = block_backward(
-                implementation, scores, kind, q_chunk, k, v, out_chunk, lse_chunk,
+                implementation, scores, kind, q_chunk, keys, values, out_chunk, lse_chunk,
                 d_out_chunk, kv_length)
             dq_chunk = dq_chunk + piece_dq
-            if start is None:  # the piece's keys are all the keys
-                dk, dv = dk + piece_dk, dv + piece_dv
-            else:  # its own key chunk
-                dk, dv = (lax.dynamic_update_slice_in_dim(
-                    total, lax.dynamic_slice_in_dim(total, start, piece.shape[1], axis=1) + piece,
-                    start, axis=1) for total, piece in ((dk, piece_dk), (dv, piece_dv)))
+            if own:
+                dk_chunk, dv_chunk = dk_chunk + piece_dk, dv_chunk + piece_dv
+            else:
+                dk_all, dv_all = dk_all + piece_dk, dv_all + piece_dv
         dq.append(dq_chunk)
+        dk_own.append(dk_chunk)
+        dv_own.append(dv_chunk)
     d_sinks = None if sinks is None else sinks_lib.gradient(out, lse, d_out, sinks)
-    return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k_all.dtype),
-            dv.astype(v_all.dtype), d_sinks, None)  # indices: integers, no gradient
+    cast = lambda chunks, like: jnp.concatenate(chunks, axis=1).astype(like.dtype)  # noqa: E731
+    return (cast(dq, q), cast(dk_own, k), cast(dv_own, v), dk_all.astype(k_all.dtype),
+            dv_all.astype(v_all.dtype), d_sinks, None)  # indices: integers, no gradient
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -108,4 +117,4 @@ def all_gather_attention(q, k, v, sinks, axis_name, is_causal, scores, chunk_ind
     k_all = unpermute(lax.all_gather(k, axis_name, axis=1, tiled=True))
     v_all = unpermute(lax.all_gather(v, axis_name, axis=1, tiled=True))
     indices = jnp.stack([jnp.asarray(i, jnp.int32) for i in chunk_indices])
-    return _attend(q, k_all, v_all, sinks, indices, is_causal, scores, implementation)
+    return _attend(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implementation)
