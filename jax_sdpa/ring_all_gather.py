@@ -61,9 +61,8 @@ def _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _attend(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implementation):
-    out, lse = _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation)
-    out, lse = with_sinks(out, lse, sinks)
-    return out.astype(q.dtype), lse
+    return _attend_fwd(q, k, v, k_all, v_all, sinks, indices, is_causal, scores,
+                       implementation)[0]
 
 
 def _attend_fwd(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implementation):
