@@ -31,7 +31,7 @@ from jax import lax
 from jax_sdpa import planning, ring_all_gather, validation
 from jax_sdpa import sinks as sinks_lib
 from jax_sdpa.ring_blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
-                                 merge, with_sinks)
+                                 merge, split_chunks, with_sinks)
 
 LAYOUTS = ("contiguous", "zigzag")
 STRATEGIES = ("ring", "all_gather")
@@ -51,10 +51,6 @@ def _kind(query_chunk, key_chunk, is_causal):
                      jnp.where(key_chunk < query_chunk, FULL, SKIP))
 
 
-def _split(x, parts):
-    return jnp.split(x, parts, axis=1) if parts > 1 else [x]
-
-
 def _switch(kind, implementation, scores, block_fn, *args):
     branches = [functools.partial(block_fn, implementation, scores, k)
                 for k in (FULL, DIAGONAL, SKIP)]
@@ -69,7 +65,7 @@ def _ring_permutation(axis_name):
 def _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
-    q_chunks = _split(q, parts)
+    q_chunks = split_chunks(q, parts)
     outs, lses = [None] * parts, [None] * parts
     kb, vb = k, v
     for step in range(size):
@@ -78,7 +74,8 @@ def _ring_forward_pass(q, k, v, axis_name, is_causal, scores, layout, implementa
                      if step + 1 < size else None)
         source = (me - step) % size
         for i, (q_chunk, q_index) in enumerate(zip(q_chunks, _chunks(layout, me, size))):
-            for k_chunk, v_chunk, k_index in zip(_split(kb, parts), _split(vb, parts),
+            for k_chunk, v_chunk, k_index in zip(split_chunks(kb, parts),
+                                                  split_chunks(vb, parts),
                                                   _chunks(layout, source, size)):
                 block = _switch(_kind(q_index, k_index, is_causal), implementation, scores,
                                 block_forward, q_chunk, k_chunk, v_chunk)
@@ -92,8 +89,8 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores, 
                         implementation):
     size, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     parts = len(_chunks(layout, 0, 1))
-    q_chunks, out_chunks, d_out_chunks = (_split(x, parts) for x in (q, out, d_out))
-    lse_chunks = jnp.split(lse, parts, axis=2) if parts > 1 else [lse]
+    q_chunks, out_chunks, d_out_chunks = (split_chunks(x, parts) for x in (q, out, d_out))
+    lse_chunks = split_chunks(lse, parts, axis=2)
     dq = [jnp.zeros_like(c, jnp.float32) for c in q_chunks]
     kb, vb = k, v
     dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
@@ -101,9 +98,10 @@ def _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores, 
     for step in range(size):
         following = lax.ppermute((kb, vb), axis_name, permutation) if step + 1 < size else None
         source = (me - step) % size
-        dk_chunks, dv_chunks = _split(dk, parts), _split(dv, parts)
+        dk_chunks, dv_chunks = split_chunks(dk, parts), split_chunks(dv, parts)
         for j, (k_chunk, v_chunk, k_index) in enumerate(zip(
-                _split(kb, parts), _split(vb, parts), _chunks(layout, source, size))):
+                split_chunks(kb, parts), split_chunks(vb, parts),
+                _chunks(layout, source, size))):
             for i, q_index in enumerate(_chunks(layout, me, size)):
                 block_dq, block_dk, block_dv = _switch(
                     _kind(q_index, k_index, is_causal), implementation, scores, block_backward,

@@ -27,7 +27,7 @@ from jax import lax
 
 from jax_sdpa import sinks as sinks_lib
 from jax_sdpa.ring_blocks import (DIAGONAL, FULL, block_backward, block_forward, merge,
-                                 with_sinks)
+                                 split_chunks, with_sinks)
 
 
 def _pieces(q_chunk, own_k, own_v, k_all, v_all, index, is_causal):
@@ -40,15 +40,11 @@ def _pieces(q_chunk, own_k, own_v, k_all, v_all, index, is_causal):
     return [(DIAGONAL, own_k, own_v, None, True), (FULL, k_all, v_all, before, False)]
 
 
-def _chunked(x, parts, axis=1):
-    return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
-
-
 def _forward(q, k, v, k_all, v_all, indices, is_causal, scores, implementation):
     parts = len(indices)
     outs, lses = [], []
-    for q_chunk, own_k, own_v, index in zip(_chunked(q, parts), _chunked(k, parts),
-                                            _chunked(v, parts), indices):
+    for q_chunk, own_k, own_v, index in zip(split_chunks(q, parts), split_chunks(k, parts),
+                                            split_chunks(v, parts), indices):
         out = lse = None
         for kind, keys, values, kv_length, _ in _pieces(q_chunk, own_k, own_v, k_all, v_all,
                                                         index, is_causal):
@@ -80,8 +76,8 @@ def _attend_bwd(is_causal, scores, implementation, residuals, cotangents):
     dq, dk_own, dv_own = [], [], []
     dk_all, dv_all = jnp.zeros_like(k_all, jnp.float32), jnp.zeros_like(v_all, jnp.float32)
     for q_chunk, own_k, own_v, out_chunk, lse_chunk, d_out_chunk, index in zip(
-            _chunked(q, parts), _chunked(k, parts), _chunked(v, parts), _chunked(out, parts),
-            _chunked(lse, parts, axis=2), _chunked(d_out, parts), indices):
+            *(split_chunks(x, parts) for x in (q, k, v, out)),
+            split_chunks(lse, parts, axis=2), split_chunks(d_out, parts), indices):
         dq_chunk = jnp.zeros_like(q_chunk, jnp.float32)
         dk_chunk, dv_chunk = (jnp.zeros_like(own_k, jnp.float32),
                               jnp.zeros_like(own_v, jnp.float32))

@@ -29,6 +29,11 @@ class Scores(NamedTuple):
     soft_cap: float | None
 
 
+def split_chunks(x, parts, axis=1):
+    """x cut into `parts` equal chunks along the sequence axis (the lse's is axis 2)."""
+    return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
 def _config(implementation, scores, kind, has_lengths):
     return KernelConfig(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
                         has_lengths=has_lengths, implementation=implementation,
