@@ -96,3 +96,14 @@ def test_packed_markdown_has_a_row_per_result():
     table = packed.markdown(rows, {"long": {"ragged": 0.3}})
     assert "| 8x1024 | fwd | ragged | 1.000 | 1 | 0.500 | – |" in table
     assert "| long | ragged | 0.300 |" in table
+
+
+def test_clock_windows_take_the_samples_of_their_call_and_the_one_just_before():
+    from benchmarks.clocks import summary, window
+    samples = [(0.98, 1980.0, 120.0), (1.00, 1900.0, 500.0), (1.02, 1700.0, 690.0),
+               (1.06, 1600.0, 700.0)]
+    assert window(samples, 1.005, 1.03, margin=0.01) == (1800.0, 595.0)
+    nan_clock, _ = window(samples, 2.0, 2.1)
+    assert nan_clock != nan_clock
+    rows = [(0.007, 1980.0, 300.0), (0.009, float("nan"), float("nan")), (0.008, 1700.0, 690.0)]
+    assert summary(rows) == (0.008, 1840.0, 495.0)
