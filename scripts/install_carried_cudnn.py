@@ -1,0 +1,52 @@
+"""Put a carried cuDNN (zstd-compressed libraries) in place of this Python's own, on the GPU machine.
+
+    python3 scripts/install_carried_cudnn.py .cudnn
+
+The GPU machine has no registry access and one device call carries at most 64 MiB, so another
+cuDNN (e.g. 9.28, what a fresh install gets) travels as `lib*.so.9.zst` files spread over
+several folders under one ignored directory (`.cudnn/p1`, `.cudnn/p2`, ...; make them with
+`zstd -19 --long=27` from a venv that has the wheel). This decompresses every one of them over
+the files in `nvidia/cudnn/lib` of the running Python (the machine is discarded afterwards), so
+both jaxlib and jax_sdpa load it. Needs the `zstandard` package (carry its cp312 wheel in one
+of the folders: it is installed from there). Recipe: shared/DEVICE.md, docs/DEVELOPING.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+
+def _zstandard(root):
+    try:
+        import zstandard  # noqa: PLC0415
+    except ImportError:
+        wheels = glob.glob(os.path.join(root, "**", "zstandard-*.whl"), recursive=True)
+        if not wheels:
+            sys.exit(f"no zstandard module and no zstandard wheel under {root}")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--target", "/tmp/zstandard", wheels[0]], check=True)
+        sys.path.insert(0, "/tmp/zstandard")
+        import zstandard  # noqa: PLC0415
+    return zstandard
+
+
+def main(root):
+    import nvidia.cudnn  # noqa: PLC0415 - the package whose libraries jaxlib loads
+
+    target = os.path.join(list(nvidia.cudnn.__path__)[0], "lib")
+    parts = sorted(glob.glob(os.path.join(root, "**", "*.so.9.zst"), recursive=True))
+    if not parts:
+        sys.exit(f"no *.so.9.zst files under {root}")
+    decompressor = _zstandard(root).ZstdDecompressor(max_window_size=2**31)
+    for path in parts:
+        name = os.path.basename(path)[:-len(".zst")]
+        with open(path, "rb") as source, open(os.path.join(target, name), "wb") as out:
+            decompressor.copy_stream(source, out)
+        print(f"{name}: {os.path.getsize(os.path.join(target, name)) / 2**20:.0f} MiB -> {target}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".cudnn")
