@@ -1,6 +1,7 @@
 """cuDNN's SDPA graphs timed alone, against the same shapes called through JAX.
 
     python -m benchmarks.plans [--only NAME ...] [--config name:B,S,Nq,Nkv,H,bf16,causal] [--out DIR]
+                               [--ragged 4x2048 ...]
 
 For each config: every plan cuDNN's heuristics offer (modes A, B, fallback), forward and
 backward, timed by the extension with CUDA events around a straight run of executions on a
@@ -27,8 +28,10 @@ import jax.numpy as jnp
 from benchmarks.report import benchmark_parser, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
+from benchmarks import packed
 from benchmarks.implementations import available
-from jax_sdpa import _ffi
+from jax_sdpa import _ffi, kernels
+from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
 
 def buffer_sets(config, direction, inputs):
@@ -68,6 +71,28 @@ def time_plans(config, direction, rounds, inputs):
     return timings
 
 
+def ragged_layout(config, max_segments):
+    """(entries, bound, lengths) of the ragged graph a packed config's call runs: the first of
+    jax_sdpa's plans (cheapest first) that holds its documents, the lengths compacted to the
+    front and padded with empty entries (as jax_sdpa/kernels.py lays them out)."""
+    lengths = [n for row in config.lengths for n in row]
+    for entries, (bound, _) in kernels._plans(config.batch, max_segments, config.seq, config.seq):
+        if len(lengths) <= entries and max(lengths) <= bound:
+            return entries, bound, lengths + [0] * (entries - len(lengths))
+    raise ValueError(f"no ragged plan holds {config.name}")
+
+
+def time_ragged_plans(config, direction, rounds, max_segments):
+    """Every plan of the ragged graph a packed config runs (random inputs: the graph alone)."""
+    entries, bound, lengths = ragged_layout(config, max_segments)
+    return devtools().time_plans(
+        direction=direction, dtype=jnp.dtype(packed.DTYPE).name, batch=entries,
+        q_seq_len=bound, kv_seq_len=bound, q_heads=packed.N_HEADS, kv_heads=packed.N_HEADS,
+        head_dim=packed.HEAD_DIM, head_dim_v=packed.HEAD_DIM, causal=True,
+        scale=packed.HEAD_DIM ** -0.5, iterations=CALLS * rounds, input_sets=CALLS,
+        document_lengths=lengths, total_tokens=config.batch * config.seq)
+
+
 def preferred(plans):
     """The plan calls run: the first in the heuristics' order that built."""
     return next(p for p in plans if p["ms"] > 0)
@@ -96,6 +121,8 @@ def markdown(results):
              "| jax.nn cudnn ms (×) | fastest plan ms (× heuristics' first) |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
+        if "calls_ms" not in r:  # a ragged graph: timed alone only
+            continue
         for mode in ("fwd", "fwd+bwd"):
             alone = r["alone_ms"][mode]
             cells = [f"{r['calls_ms'][f'{impl}|{mode}']:.3f} "
@@ -119,15 +146,29 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def write_json(directory, header, results):
+    with open(os.path.join(directory, "plans.json"), "w") as f:
+        json.dump(dict(header=header, calls_per_round=CALLS, results=results), f, indent=1)
+
+
 def main(argv=None):
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--ragged", action="append", default=[], metavar="PACKED",
+                        help="also every plan of the ragged graph of benchmarks/packed.py's "
+                             "config PACKED (e.g. 4x2048), alone; --only '' skips the dense ones")
     args = parser.parse_args(argv)
     configs = ANCHOR_CONFIGS + [parse_config(text) for text in args.config]
     if args.only:
         configs = [c for c in configs if c.name in args.only]
     header = machine_line()
     results = []
+    for config in (c for c in packed.configs() if c.name in args.ragged):
+        entries, bound, _ = ragged_layout(config, DEFAULT_MAX_SEGMENTS)
+        plans = {d: time_ragged_plans(config, d, args.rounds, DEFAULT_MAX_SEGMENTS)
+                 for d in ("forward", "backward")}
+        results.append(dict(config=f"{config.name} ragged {entries}x{bound}", plans=plans))
+        write_json(args.out, header, results)
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
         inputs = make_inputs(config, seed=0)
@@ -141,8 +182,7 @@ def main(argv=None):
                             alone_ms={"fwd": fwd, "fwd+bwd": fwd + bwd},
                             best_ms={"fwd": best_fwd, "fwd+bwd": best_fwd + best_bwd},
                             calls_ms={f"{impl}|{mode}": ms for (impl, mode), ms in calls.items()}))
-        with open(os.path.join(args.out, "plans.json"), "w") as f:
-            json.dump(dict(header=header, calls_per_round=CALLS, results=results), f, indent=1)
+        write_json(args.out, header, results)
     table = markdown(results)
     write_markdown(args.out, "plans.md", header, table)
 

@@ -107,3 +107,17 @@ def test_clock_windows_take_the_samples_of_their_call_and_the_one_just_before():
     assert nan_clock != nan_clock
     rows = [(0.007, 1980.0, 300.0), (0.009, float("nan"), float("nan")), (0.008, 1700.0, 690.0)]
     assert summary(rows) == (0.008, 1840.0, 495.0)
+
+
+def test_ragged_plan_timing_uses_the_graph_the_packed_call_runs():
+    from benchmarks import packed
+    by_name = {c.name: c for c in packed.configs()}
+    entries, bound, lengths = plans.ragged_layout(by_name["4x2048"], 64)
+    assert (entries, bound) == (32, 2048)
+    assert lengths == [2048] * 16 + [0] * 16
+    entries, bound, lengths = plans.ragged_layout(by_name["8x1024"], 64)
+    assert (entries, bound, lengths) == (32, 1024, [1024] * 32)
+    entries, bound, lengths = plans.ragged_layout(by_name["mixed"], 64)
+    documents = [n for row in by_name["mixed"].lengths for n in row]
+    assert entries >= len(documents) and bound >= max(documents)
+    assert lengths[:len(documents)] == documents and not any(lengths[len(documents):])

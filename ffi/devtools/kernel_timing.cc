@@ -56,6 +56,15 @@ class Session {
     return ffi::Error::Success();
   }
 
+  // A new buffer holding `bytes` copied from host memory.
+  ffi::Error Upload(const void* host, int64_t bytes, void** out) {
+    buffers_.push_back(std::make_unique<DeviceMemory>());
+    JAX_SDPA_RETURN_IF_ERROR(buffers_.back()->Allocate(bytes));
+    *out = buffers_.back()->data();
+    JAX_SDPA_CUDA_CHECK(cudaMemcpy(*out, host, bytes, cudaMemcpyHostToDevice));
+    return ffi::Error::Success();
+  }
+
   cudaStream_t stream() const { return stream_; }
   cudnnHandle_t handle() const { return handle_; }
 
@@ -105,6 +114,54 @@ void AssignBackward(void* d_o, void* dq, void* dk, void* dv, InputSet* set) {
   set->backward[kDV] = dv;
 }
 
+// The ragged layout's device tables, shared by every input set: each entry's length (queries
+// and keys alike) and the element offsets of its first token in Q, K, V, O and the stats.
+struct RaggedTables {
+  void* lengths = nullptr;
+  RaggedOffsets offsets;
+};
+
+ffi::ErrorOr<RaggedTables> UploadRaggedTables(Session& session, const SdpaConfig& c,
+                                              const std::vector<int32_t>& lengths) {
+  std::vector<int64_t> starts{0};  // token offset of each entry, then the total
+  for (int32_t length : lengths) starts.push_back(starts.back() + length);
+  if (starts.back() > c.total_q_tokens || starts.back() > c.total_kv_tokens) {
+    return Failure{ffi::Error::InvalidArgument(
+        "jax_sdpa: the documents hold " + std::to_string(starts.back()) +
+        " tokens, more than the config's " + std::to_string(c.total_q_tokens))};
+  }
+  auto scaled = [&](int64_t per_token) {
+    std::vector<int32_t> out;
+    for (int64_t start : starts) out.push_back(static_cast<int32_t>(start * per_token));
+    return out;
+  };
+  std::vector<std::vector<int32_t>> tables = {
+      scaled(c.q_heads * c.head_dim), scaled(c.kv_heads * c.head_dim),
+      scaled(c.kv_heads * c.head_dim_v), scaled(c.q_heads * c.head_dim_v), scaled(c.q_heads)};
+  std::vector<void*> device(tables.size());
+  for (size_t i = 0; i < tables.size(); ++i) {
+    JAX_SDPA_RETURN_IF_ERROR(
+        session.Upload(tables[i].data(), tables[i].size() * sizeof(int32_t), &device[i]));
+  }
+  RaggedTables out;
+  JAX_SDPA_RETURN_IF_ERROR(
+      session.Upload(lengths.data(), lengths.size() * sizeof(int32_t), &out.lengths));
+  out.offsets = {device[0], device[1], device[2], device[3], device[4]};
+  return out;
+}
+
+void AssignRagged(const RaggedTables& tables, InputSet* set) {
+  for (auto* pack : {&set->forward, &set->backward}) {
+    (*pack)[kQLengths] = tables.lengths;
+    (*pack)[kKvLengths] = tables.lengths;
+    (*pack)[kQOffsets] = const_cast<void*>(tables.offsets.q);
+    (*pack)[kKOffsets] = const_cast<void*>(tables.offsets.k);
+    (*pack)[kVOffsets] = const_cast<void*>(tables.offsets.v);
+    (*pack)[kOOffsets] = const_cast<void*>(tables.offsets.o);
+    (*pack)[kStatsOffsets] = const_cast<void*>(tables.offsets.stats);
+  }
+}
+
 // The set's buffers as given: q, k, v, o, stats[, d_o, dq, dk, dv].
 ffi::Error GivenSet(const SdpaConfig& c, const BufferSet& given, InputSet* set) {
   size_t expected = c.direction == Direction::kBackward ? 9 : 5;
@@ -121,11 +178,14 @@ ffi::Error GivenSet(const SdpaConfig& c, const BufferSet& given, InputSet* set) 
 ffi::Error AllocateSet(Session& session, const SdpaConfig& c, const std::vector<uint16_t>& random,
                        InputSet* set) {
   const int64_t element = 2;
-  int64_t q_bytes = c.batch * c.q_seq_len * c.q_heads * c.head_dim * element;
-  int64_t k_bytes = c.batch * c.kv_seq_len * c.kv_heads * c.head_dim * element;
-  int64_t v_bytes = c.batch * c.kv_seq_len * c.kv_heads * c.head_dim_v * element;
-  int64_t o_bytes = c.batch * c.q_seq_len * c.q_heads * c.head_dim_v * element;
-  int64_t stats_bytes = c.batch * c.q_heads * c.q_seq_len * 4;
+  // Ragged: every document lives in one [total tokens, heads, dim] array.
+  int64_t q_tokens = c.ragged ? c.total_q_tokens : c.batch * c.q_seq_len;
+  int64_t kv_tokens = c.ragged ? c.total_kv_tokens : c.batch * c.kv_seq_len;
+  int64_t q_bytes = q_tokens * c.q_heads * c.head_dim * element;
+  int64_t k_bytes = kv_tokens * c.kv_heads * c.head_dim * element;
+  int64_t v_bytes = kv_tokens * c.kv_heads * c.head_dim_v * element;
+  int64_t o_bytes = q_tokens * c.q_heads * c.head_dim_v * element;
+  int64_t stats_bytes = q_tokens * c.q_heads * 4;
   void *q, *k, *v, *o, *stats;
   JAX_SDPA_RETURN_IF_ERROR(session.Allocate(q_bytes, random, &q));
   JAX_SDPA_RETURN_IF_ERROR(session.Allocate(k_bytes, random, &k));
@@ -211,19 +271,32 @@ ffi::Error TimePlan(fe::graph::Graph& graph, const SdpaConfig& c, Session& sessi
 }  // namespace
 
 ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     const std::vector<BufferSet>& given, std::vector<PlanTiming>* timings) {
-  if (config.bias_batch > 0 || config.padding || config.ragged || config.dropout > 0 || iterations < 1 ||
-      input_sets < 1) {
+                     const std::vector<BufferSet>& given,
+                     const std::vector<int32_t>& document_lengths,
+                     std::vector<PlanTiming>* timings) {
+  bool ragged_ok = !config.ragged ||
+                   (config.padding && given.empty() &&
+                    static_cast<int64_t>(document_lengths.size()) == config.batch);
+  if (config.bias_batch > 0 || config.padding != config.ragged || !ragged_ok ||
+      config.dropout > 0 || iterations < 1 || input_sets < 1) {
     return ffi::Error::InvalidArgument(
-        "jax_sdpa: plan timing takes no bias, lengths or dropout, and at least one iteration "
-        "and input set; got " + config.ToString());
+        "jax_sdpa: plan timing takes no bias, lengths (but a ragged layout's, one per entry, "
+        "on random inputs) or dropout, and at least one iteration and input set; got " +
+        config.ToString());
   }
   Session session;
   JAX_SDPA_RETURN_IF_ERROR(session.Open(config.device));
+  RaggedTables ragged;
+  if (config.ragged) {
+    JAX_SDPA_ASSIGN_OR_RETURN(ragged, UploadRaggedTables(session, config, document_lengths));
+  }
   std::vector<InputSet> sets(given.empty() ? static_cast<size_t>(input_sets) : given.size());
   if (given.empty()) {
     std::vector<uint16_t> random = RandomPattern(config.element_type);
-    for (InputSet& set : sets) JAX_SDPA_RETURN_IF_ERROR(AllocateSet(session, config, random, &set));
+    for (InputSet& set : sets) {
+      JAX_SDPA_RETURN_IF_ERROR(AllocateSet(session, config, random, &set));
+      if (config.ragged) AssignRagged(ragged, &set);
+    }
   } else {
     for (size_t i = 0; i < sets.size(); ++i) {
       JAX_SDPA_RETURN_IF_ERROR(GivenSet(config, given[i], &sets[i]));
@@ -246,6 +319,10 @@ ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input
       buffers.in.v = set.forward.at(kV);
       buffers.o = set.forward.at(kO);
       buffers.stats = set.forward.at(kStats);
+      if (config.ragged) {
+        buffers.in.q_lengths = buffers.in.kv_lengths = ragged.lengths;
+        buffers.in.offsets = ragged.offsets;
+      }
       JAX_SDPA_RETURN_IF_ERROR(forward->ExecuteForward(session.handle(), buffers, workspace));
     }
   }

@@ -28,10 +28,14 @@ struct PlanTiming {
 // overwritten.
 using BufferSet = std::vector<void*>;
 
-// Times config.direction's graph (no bias, lengths or dropout) on config.device: `iterations`
+// Times config.direction's graph (no bias or dropout) on config.device: `iterations`
 // executions of each plan, rotating over the `given` sets of buffers, or, if none are given,
-// over `input_sets` sets of buffers of random values.
+// over `input_sets` sets of buffers of random values. A ragged config (config.ragged and
+// padding, batch = entries, total_q/kv_tokens the arrays' tokens) takes random inputs and one
+// length per entry in `document_lengths` (0: an empty entry), packed from token 0 on.
 ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     const std::vector<BufferSet>& given, std::vector<PlanTiming>* timings);
+                     const std::vector<BufferSet>& given,
+                     const std::vector<int32_t>& document_lengths,
+                     std::vector<PlanTiming>* timings);
 
 }  // namespace jax_sdpa

@@ -18,12 +18,14 @@ namespace nb = nanobind;
 
 namespace {
 
-// benchmarks/plans.py's entry: every plan of one unmasked or causal SDPA graph, timed alone.
+// benchmarks/plans.py's entry: every plan of one unmasked or causal SDPA graph (dense, or
+// the ragged layout of packed documents), timed alone.
 nb::list TimePlans(const std::string& direction, const std::string& dtype, int64_t batch,
                    int64_t q_seq_len, int64_t kv_seq_len, int64_t q_heads, int64_t kv_heads,
                    int64_t head_dim, int64_t head_dim_v, bool causal, float scale,
                    int64_t iterations, int64_t input_sets,
-                   const std::vector<std::vector<uintptr_t>>& buffers, int32_t device) {
+                   const std::vector<std::vector<uintptr_t>>& buffers, int32_t device,
+                   const std::vector<int32_t>& document_lengths, int64_t total_tokens) {
   jax_sdpa::SdpaConfig c;
   if ((direction != "forward" && direction != "backward") ||
       (dtype != "float16" && dtype != "bfloat16")) {
@@ -44,6 +46,10 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
   c.head_dim_v = head_dim_v;
   c.scale = scale;
   if (causal) c.window_right = 0;
+  if (!document_lengths.empty()) {  // the ragged layout: batch counts entries (documents)
+    c.padding = c.ragged = true;
+    c.total_q_tokens = c.total_kv_tokens = total_tokens;
+  }
   std::vector<jax_sdpa::BufferSet> given;
   for (const auto& set : buffers) {
     given.emplace_back();
@@ -53,7 +59,7 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
   xla::ffi::Error status;
   {
     nb::gil_scoped_release released;  // seconds of GPU work
-    status = jax_sdpa::TimePlans(c, iterations, input_sets, given, &timings);
+    status = jax_sdpa::TimePlans(c, iterations, input_sets, given, document_lengths, &timings);
   }
   if (status.failure()) throw std::runtime_error(status.message());
   nb::list result;
@@ -78,10 +84,13 @@ NB_MODULE(_sdpa_devtools, m) {
         nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("causal"), nb::arg("scale"),
         nb::arg("iterations"), nb::arg("input_sets"),
         nb::arg("buffers") = std::vector<std::vector<uintptr_t>>(), nb::arg("device") = 0,
+        nb::arg("document_lengths") = std::vector<int32_t>(), nb::arg("total_tokens") = 0,
         "Times every cuDNN plan of one SDPA graph alone (CUDA events, a private stream): a "
         "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order. "
         "buffers: per input set, device pointers q, k, v, o, stats[, d_o, dq, dk, dv] the "
-        "caller owns; without them, input_sets sets of random values.");
+        "caller owns; without them, input_sets sets of random values. document_lengths (one "
+        "per entry, batch entries; random inputs only) makes it the ragged layout's graph, "
+        "its arrays [total_tokens, heads, dim] with the documents packed from token 0.");
   m.def(
       "write_graph_file",
       [](const std::string& directory, const std::string& key, const nb::bytes& payload) {
