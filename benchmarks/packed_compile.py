@@ -17,11 +17,7 @@ of the per-document bound.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import glob
-import gzip
-import json
 import statistics
 import time
 import types
@@ -32,6 +28,7 @@ import jax.numpy as jnp
 import jax_sdpa
 from jax_sdpa import kernels
 from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
+from benchmarks.traces import kernel_table, kernel_times
 
 
 @contextlib.contextmanager
@@ -124,22 +121,6 @@ def timed_variants(config, ids, rounds):
               f"({median / bound:.3f}x the per-document bound; median of {rounds})", flush=True)
 
 
-def kernel_times(trace_dir):
-    """({kernel name: total µs}, {kernel name: events}) from the Perfetto JSON of a
-    jax.profiler trace (GPU timelines only)."""
-    totals, counts = collections.Counter(), collections.Counter()
-    for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
-        with gzip.open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-        pids = {e["pid"]: e["args"].get("name", "") for e in events
-                if e.get("ph") == "M" and e.get("name") == "process_name"}
-        for e in events:
-            if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), ""):
-                totals[e["name"]] += e.get("dur", 0)
-                counts[e["name"]] += 1
-    return totals, counts
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="8x1024")
@@ -170,8 +151,7 @@ def main(argv=None):
             totals, counts = kernel_times(directory)
             print(f"{name}: GPU µs per kernel name over 3 steps of {len(inputs)} fwd+bwd calls "
                   "(total, events):")
-            for kernel, micros in totals.most_common(12):
-                print(f"  {micros:9.0f} {counts[kernel]:5d}  {kernel[:100]}")
+            print("\n".join(kernel_table(totals, counts, limit=12)))
 
 
 if __name__ == "__main__":

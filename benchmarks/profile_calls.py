@@ -23,7 +23,7 @@ import jax
 from benchmarks.attention import CALLS, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
-from benchmarks.packed_compile import kernel_times
+from benchmarks.traces import kernel_table, kernel_times
 
 TIMELINES_PER_KERNEL = 2  # seen on the H200: each kernel appears on two GPU lines
 
@@ -45,8 +45,7 @@ def profile(config, name, attention, directory):
     print(f"{config.name} | {name}: {wall * 1e3:.3f} ms per fwd+bwd call, GPU busy "
           f"{busy / 1e3:.3f} ms of it in {sum(counts.values()) // per_call} kernels/copies",
           flush=True)
-    for kernel, micros in totals.most_common():
-        print(f"    {micros / per_call:9.1f} µs  x{counts[kernel] / per_call:4.1f}  {kernel[:110]}")
+    print("\n".join(kernel_table(totals, counts, per=per_call)))
 
 
 def main(argv=None):

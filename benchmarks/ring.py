@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_sdpa
 from jax_sdpa.ring import ring_attention
-from benchmarks.packed_compile import kernel_times
+from benchmarks.traces import kernel_table, kernel_times
 
 
 def fwd_bwd(attention):
@@ -104,8 +104,7 @@ def print_trace(fn, args, directory, seconds):
     devices = len(jax.devices())
     print(f"  trace: kernels {sum(totals.values()) / 1e3 / devices:.2f} ms per GPU against a "
           f"{seconds * 1e3:.2f} ms step")
-    for kernel, micros in totals.most_common(14):
-        print(f"    {micros / 1e3 / devices:8.2f} ms/GPU {counts[kernel]:5d}  {kernel[:100]}")
+    print("\n".join(kernel_table(totals, counts, per=devices, limit=14, unit="ms")))
 
 
 if __name__ == "__main__":

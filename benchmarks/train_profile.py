@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "examples"))
 import train_gpt2  # noqa: E402
 from gpt2_model import GPT, GPTConfig  # noqa: E402
-from benchmarks.packed_compile import kernel_times  # noqa: E402
+from benchmarks.traces import kernel_table, kernel_times  # noqa: E402
 
 
 def _step_and_batches(rows, extra):
@@ -71,8 +71,7 @@ def profile(rows, steps, extra, trace_dir=None):
         busy = sum(totals.values()) / 1e6
         print(f"  traced 2 steps: wall {wall * 1e3:.0f} ms (tracing included), GPU kernels "
               f"{busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
-        for kernel, micros in totals.most_common(15):
-            print(f"    {micros:9.0f} µs {counts[kernel]:5d}  {kernel[:110]}")
+        print("\n".join(kernel_table(totals, counts, limit=15)))
 
 
 def main(argv=None):

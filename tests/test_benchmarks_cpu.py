@@ -121,3 +121,24 @@ def test_ragged_plan_timing_uses_the_graph_the_packed_call_runs():
     documents = [n for row in by_name["mixed"].lengths for n in row]
     assert entries >= len(documents) and bound >= max(documents)
     assert lengths[:len(documents)] == documents and not any(lengths[len(documents):])
+
+
+def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks.traces import kernel_table, kernel_times
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "name": "fprop", "dur": 30},
+              {"ph": "X", "pid": 1, "name": "fprop", "dur": 30},
+              {"ph": "X", "pid": 1, "name": "memset", "dur": 2},
+              {"ph": "X", "pid": 2, "name": "fprop", "dur": 500}]
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    totals, counts = kernel_times(str(tmp_path))
+    assert totals == {"fprop": 60, "memset": 2} and counts == {"fprop": 2, "memset": 1}
+    lines = kernel_table(totals, counts, per=2)
+    assert "30.00 µs" in lines[0] and "fprop" in lines[0] and "x1 " in lines[0]
+    assert "ms" in kernel_table(totals, counts, unit="ms")[0]

@@ -1,0 +1,32 @@
+"""Reading jax.profiler traces: GPU time per kernel name, and the table the benchmarks print."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+
+
+def kernel_times(trace_dir):
+    """({kernel name: total µs}, {kernel name: events}) from the Perfetto JSON of a
+    jax.profiler trace (GPU timelines only)."""
+    totals, counts = collections.Counter(), collections.Counter()
+    for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
+        with gzip.open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+        pids = {e["pid"]: e["args"].get("name", "") for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for e in events:
+            if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), ""):
+                totals[e["name"]] += e.get("dur", 0)
+                counts[e["name"]] += 1
+    return totals, counts
+
+
+def kernel_table(totals, counts, per=1, limit=None, unit="µs"):
+    """One line per kernel name, the most time first: time and events, both divided by `per`
+    (calls, GPUs, or the duplicate GPU timelines an H200 trace shows), time in `unit` (µs, ms)."""
+    scale = {"µs": 1.0, "ms": 1e-3}[unit]
+    return [f"    {micros * scale / per:10.2f} {unit}  x{counts[name] / per:<7.4g} {name[:110]}"
+            for name, micros in totals.most_common(limit)]
