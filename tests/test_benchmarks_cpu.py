@@ -142,3 +142,18 @@ def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tm
     lines = kernel_table(totals, counts, per=2)
     assert "30.00 µs" in lines[0] and "fprop" in lines[0] and "x1 " in lines[0]
     assert "ms" in kernel_table(totals, counts, unit="ms")[0]
+
+
+def test_cudnn_parts_fit_one_device_call_each():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pack_cudnn_parts",
+                                                  "scripts/pack_cudnn_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    mib = 2**20
+    sizes = {"tir": 60 * mib, "graph": 45 * mib, "heuristic": 30 * mib, "ops": 29 * mib,
+             "runtime": 17 * mib, "ext": 4 * mib, "cnn": 1 * mib}
+    bins = module.parts(sizes)
+    assert sorted(f for b in bins for f in b["files"]) == sorted(sizes)
+    assert all(b["bytes"] <= module.PART_BYTES for b in bins)
+    assert len(bins) == 3  # 186 MiB in 63 MiB parts: no fewer can hold it
