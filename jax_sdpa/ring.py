@@ -183,9 +183,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     [N], replicated over the ring axis) as in dot_product_attention: the sinks join each row's
     merged denominator once. strategy="ring": key/value blocks travel around the ring,
     P - 1 exchanges overlapped with the block kernels; "all_gather": every device gathers the
-    whole sequence's keys and values once and runs one kernel per local query chunk (causal:
-    over the keys up to the chunk's end; dk, dv reduce-scattered home): fewer, larger kernels
-    at the cost of the full K/V on every device (jax_sdpa/ring_all_gather.py). Returns the
+    whole sequence's keys and values once and attends each local query chunk to them (causal:
+    a diagonal call over the chunk's own keys plus one unmasked call over the keys before it;
+    dk, dv reduce-scattered home): fewer, larger kernels at the cost of the full K/V and
+    float32 dk, dv on every device (jax_sdpa/ring_all_gather.py). Returns the
     local output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the
     global softmax rows, the sink included).
     """

@@ -13,8 +13,8 @@ two H200s cuDNN 9.19 then computes the masked tiles too (2026-11-30: 0.78 of lin
 The backward is the ring's (jax_sdpa/ring_blocks.py): each piece's kernel backward given the
 chunk's global output and log-sum-exp; dk, dv over the gathered sequence go home through the
 all-gather's transpose, a reduce-scatter. The exchange is the whole K/V once forward and once
-backward instead of P - 1 ring steps: cheap where K/V are small against Q (GQA).
-benchmarks/ring.py compares the two strategies.
+backward instead of P - 1 ring steps. On two H200s it beat the ring for MHA and GQA alike
+(docs/PERFORMANCE.md); benchmarks/ring.py compares the two strategies.
 """
 
 from __future__ import annotations

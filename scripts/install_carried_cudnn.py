@@ -4,8 +4,8 @@
 
 The GPU machine has no registry access and one device call carries at most 64 MiB, so another
 cuDNN (e.g. 9.28, what a fresh install gets) travels as `lib*.so.9.zst` files spread over
-several folders under one ignored directory (`.cudnn/p1`, `.cudnn/p2`, ...; make them with
-`zstd -19 --long=27` from a venv that has the wheel). This decompresses every one of them over
+several folders under one ignored directory (`.cudnn/p1`, `.cudnn/p2`, ...; made by
+scripts/pack_cudnn_parts.py from a venv that has the wheel). This decompresses every one of them over
 the files in `nvidia/cudnn/lib` of the running Python (the machine is discarded afterwards), so
 both jaxlib and jax_sdpa load it. Needs the `zstandard` package (carry its cp312 wheel in one
 of the folders: it is installed from there). Recipe: shared/DEVICE.md, docs/DEVELOPING.md.
