@@ -24,6 +24,21 @@ def kernel_times(trace_dir):
     return totals, counts
 
 
+def kernel_launches(trace_dir):
+    """{kernel name: sorted launch shapes} ("grid:x,y,z block:x,y,z" from XProf's
+    kernel_details) from the same traces: where one kernel's time changes, its grid says why."""
+    launches = collections.defaultdict(set)
+    for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
+        with gzip.open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+        for e in events:
+            details = e.get("args", {}).get("kernel_details", "") if e.get("ph") == "X" else ""
+            shape = " ".join(part for part in details.split() if part.startswith(("grid:", "block:")))
+            if shape:
+                launches[e["name"]].add(shape)
+    return {name: sorted(shapes) for name, shapes in launches.items()}
+
+
 def kernel_table(totals, counts, per=1, limit=None, unit="µs"):
     """One line per kernel name, the most time first: time and events, both divided by `per`
     (calls, GPUs, or the duplicate GPU timelines an H200 trace shows), time in `unit` (µs, ms)."""

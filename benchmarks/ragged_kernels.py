@@ -1,0 +1,75 @@
+"""The ragged backward's kernels through jax_sdpa and as the graph alone, with their launch grids.
+
+    python -m benchmarks.ragged_kernels [--config 4x2048] [--trace DIR]
+
+On cuDNN 9.28 a packed fwd+bwd call runs 2.8x its per-document bound, while the same ragged
+graph timed alone (benchmarks.plans --ragged) is as fast as on 9.19: the time goes to the
+backward's dO.O and dQ-conversion kernels in the call only. This traces, in one process: the
+graph alone (the developer tools' plan timing, on random inputs laid out like the call's);
+jax_sdpa's packed call as shipped; the same with the offsets table's rows padded to 256 bytes
+(whether the kernels slow down for the table's alignment). Each prints GPU time per kernel name
+and the kernels' launch shapes, and the call's lowered attributes (the bounds it passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+
+import jax
+
+from benchmarks import plans
+from benchmarks.packed import configs, make_inputs, timed_functions
+from benchmarks.packed_compile import _patched, variants
+from benchmarks.traces import kernel_launches, kernel_table, kernel_times
+from jax_sdpa import packing
+from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
+
+
+def report(name, directory, per):
+    totals, counts = kernel_times(directory)
+    launches = kernel_launches(directory)
+    print(f"{name}: GPU µs per kernel name per call (events per call), launch shapes:")
+    for line, (kernel, _) in zip(kernel_table(totals, counts, per=per, limit=8),
+                                 totals.most_common(8)):
+        print(line)
+        print(f"        {'; '.join(launches.get(kernel, []))[:200]}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="4x2048")
+    parser.add_argument("--trace", default="/tmp/ragged_kernels")
+    args = parser.parse_args(argv)
+    config = next(c for c in configs() if c.name == args.config)
+    ids = jax.numpy.asarray(config.segment_ids())
+    shipped = next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped")
+
+    plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)  # warm: graphs built
+    directory = f"{args.trace}/alone"
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        timings = plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)
+    print("graph alone, backward plans:", [(t["plan"], t["name"], round(t["ms"], 3))
+                                           for t in timings])
+    report("graph alone (every backward plan, forward first)", directory, per=1)
+
+    inputs = make_inputs(config, seed=0)
+    cases = {"call as shipped": contextlib.nullcontext(),
+             "call, offsets rows 256-byte aligned": _patched(packing, _OFFSETS_ROW_MULTIPLE=64)}
+    for name, patch in cases.items():
+        with patch:
+            step = timed_functions(shipped)["fwd+bwd"]
+            lowered = step.lower(inputs)
+            compiled = lowered.compile()
+        bounds = sorted(set(re.findall(r"max_document_\w+ = \d+", lowered.as_text())))
+        print(f"{name}: lowered bounds {bounds}")
+        jax.block_until_ready(compiled(inputs))
+        directory = f"{args.trace}/{re.sub(r'[^a-z0-9]+', '-', name)}"
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            jax.block_until_ready(compiled(inputs))
+        report(name, directory, per=len(inputs))
+
+
+if __name__ == "__main__":
+    main()
