@@ -41,19 +41,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="4x2048")
     parser.add_argument("--trace", default="/tmp/ragged_kernels")
+    parser.add_argument("--call-first", action="store_true",
+                        help="trace the call before the graph alone (as a process that never "
+                             "ran the developer tools sees it)")
     args = parser.parse_args(argv)
     config = next(c for c in configs() if c.name == args.config)
     ids = jax.numpy.asarray(config.segment_ids())
     shipped = next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped")
 
-    plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)  # warm: graphs built
-    directory = f"{args.trace}/alone"
-    with jax.profiler.trace(directory, create_perfetto_trace=True):
-        timings = plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)
-    print("graph alone, backward plans:", [(t["plan"], t["name"], round(t["ms"], 3))
-                                           for t in timings])
-    report("graph alone (every backward plan, forward first)", directory, per=1)
-
+    if not args.call_first:
+        alone(config, args.trace)
     inputs = make_inputs(config, seed=0)
     cases = {"call as shipped": contextlib.nullcontext(),
              "call, offsets rows 256-byte aligned": _patched(packing, _OFFSETS_ROW_MULTIPLE=64)}
@@ -69,6 +66,18 @@ def main(argv=None):
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             jax.block_until_ready(compiled(inputs))
         report(name, directory, per=len(inputs))
+    if args.call_first:
+        alone(config, args.trace)
+
+
+def alone(config, trace):
+    plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)  # warm: graphs built
+    directory = f"{trace}/alone"
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        timings = plans.time_ragged_plans(config, "backward", 1, DEFAULT_MAX_SEGMENTS)
+    print("graph alone, backward plans:", [(t["plan"], t["name"], round(t["ms"], 3))
+                                           for t in timings])
+    report("graph alone (every backward plan, forward first)", directory, per=1)
 
 
 if __name__ == "__main__":
