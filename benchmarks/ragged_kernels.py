@@ -22,7 +22,7 @@ import jax
 from benchmarks import plans
 from benchmarks.packed import configs, make_inputs, timed_functions
 from benchmarks.packed_compile import _patched, variants
-from benchmarks.traces import kernel_launches, kernel_table, kernel_times
+from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
 from jax_sdpa import packing
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
@@ -44,6 +44,9 @@ def main(argv=None):
     parser.add_argument("--call-first", action="store_true",
                         help="trace the call before the graph alone (as a process that never "
                              "ran the developer tools sees it)")
+    parser.add_argument("--executions", type=int, default=1,
+                        help="executions of the chain of calls traced (later ones see the "
+                             "scratch memory earlier ones left)")
     args = parser.parse_args(argv)
     config = next(c for c in configs() if c.name == args.config)
     ids = jax.numpy.asarray(config.segment_ids())
@@ -64,8 +67,13 @@ def main(argv=None):
         jax.block_until_ready(compiled(inputs))
         directory = f"{args.trace}/{re.sub(r'[^a-z0-9]+', '-', name)}"
         with jax.profiler.trace(directory, create_perfetto_trace=True):
-            jax.block_until_ready(compiled(inputs))
-        report(name, directory, per=len(inputs))
+            for _ in range(args.executions):
+                jax.block_until_ready(compiled(inputs))
+        report(name, directory, per=len(inputs) * args.executions)
+        for kernel in ("dot_do_o", "bprop"):
+            events = kernel_events(directory, kernel)
+            print(f"    {kernel} events in time order, µs: "
+                  f"{' '.join(f'{d:.0f}' for _, d in events)[:400]}")
     if args.call_first:
         alone(config, args.trace)
 

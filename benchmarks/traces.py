@@ -39,6 +39,21 @@ def kernel_launches(trace_dir):
     return {name: sorted(shapes) for name, shapes in launches.items()}
 
 
+def kernel_events(trace_dir, contains):
+    """[(start µs, duration µs)] of the GPU events whose kernel name contains `contains`, in
+    time order (every GPU timeline of the traces)."""
+    found = []
+    for path in glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True):
+        with gzip.open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+        pids = {e["pid"]: e["args"].get("name", "") for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        found += [(e["ts"], e.get("dur", 0)) for e in events
+                  if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), "")
+                  and contains in e["name"]]
+    return sorted(found)
+
+
 def kernel_table(totals, counts, per=1, limit=None, unit="µs"):
     """One line per kernel name, the most time first: time and events, both divided by `per`
     (calls, GPUs, or the duplicate GPU timelines an H200 trace shows), time in `unit` (µs, ms)."""
