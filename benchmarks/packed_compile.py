@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import jax_sdpa
 from jax_sdpa import kernels
 from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
-from benchmarks.traces import kernel_table, kernel_times
+from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
 
 
 @contextlib.contextmanager
@@ -149,9 +149,15 @@ def main(argv=None):
                 for _ in range(3):
                     jax.block_until_ready(step(inputs))
             totals, counts = kernel_times(directory)
+            launches = kernel_launches(directory)
             print(f"{name}: GPU µs per kernel name over 3 steps of {len(inputs)} fwd+bwd calls "
-                  "(total, events):")
-            print("\n".join(kernel_table(totals, counts, limit=12)))
+                  "(total, events), launch shapes:")
+            for line, (kernel, _) in zip(kernel_table(totals, counts, limit=12),
+                                         totals.most_common(12)):
+                print(f"{line}\n        {'; '.join(launches.get(kernel, []))[:160]}")
+            events = kernel_events(directory, "dot_do_o")
+            print(f"    dot_do_o events in time order, µs: "
+                  f"{' '.join(f'{d:.0f}' for _, d in events)[:300]}")
 
 
 if __name__ == "__main__":
