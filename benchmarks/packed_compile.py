@@ -33,7 +33,12 @@ from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kern
 
 @contextlib.contextmanager
 def _patched(module, **values):
+    """Module globals replaced while the block traces. JAX caches the custom_vjp's traced
+    functions by (function, config, shapes), which a patched global is not part of: without
+    clearing those caches on the way in and out, a later trace silently reuses the patched
+    one (that made every variant here the last one compiled until 2026-11-30, sixth session)."""
     saved = {name: getattr(module, name) for name in values}
+    jax.clear_caches()
     for name, value in values.items():
         setattr(module, name, value)
     try:
@@ -41,6 +46,7 @@ def _patched(module, **values):
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+        jax.clear_caches()
 
 
 def _no_fallback():

@@ -26,9 +26,6 @@ MAX_HEAD_DIM = 256
 MIN_PAGED_CUDNN_VERSION = 90500  # cuDNN 9.5: page tables for K/V in the SDPA forward
 PAGED_WIDE_HEADS_CUDNN_VERSION = 91000  # head dims past 128 with paged K/V: cuDNN 9.10
 DECODE_WINDOW_CUDNN_VERSION = 91000  # a band on a single query row (s_q = 1): cuDNN 9.10
-# cuDNN releases whose ragged-layout kernels measured far slower than 9.19's on the H200
-# (9.28.1: packed rows 2.8-3.7x the per-document bound against 1.16-1.19x; docs/PERFORMANCE.md).
-SLOW_RAGGED_CUDNN_VERSIONS = range(92800, 92900)
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
 
@@ -214,15 +211,6 @@ def ragged_reason(call: AttentionCall) -> str | None:
     return None
 
 
-def ragged_speed_note(cudnn_version: int) -> str | None:
-    """What a user of packed rows should know about this cuDNN's ragged kernels, or None."""
-    if cudnn_version not in SLOW_RAGGED_CUDNN_VERSIONS:
-        return None
-    return (f"jax_sdpa: packed rows (segment ids on cuDNN's ragged layout) measured 2.3-3.2x "
-            f"slower on cuDNN {cudnn_version} than on 9.19 (H200, docs/PERFORMANCE.md); for "
-            "packed training pin nvidia-cudnn-cu13==9.19.* (or nvidia-cudnn-cu12==9.19.*)")
-
-
 def call_reason(call: AttentionCall) -> str | None:
     """None if cuDNN can run this (validated) call's forward, else why not. Ignores the
     device."""
@@ -285,11 +273,6 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         dense_reason = ragged_reason(call)
         if dense_reason is None:
             segments = "self" if call.kv_segment_ids is None else "cross"
-            # On a real GPU only (tests plan cuDNN calls on CPU with the device check patched).
-            if jax.devices()[0].platform == "gpu":
-                note = ragged_speed_note(_ffi.cudnn_version())
-                if note is not None:
-                    warn_once(note, stacklevel=2)
         else:
             warn_once(f"jax_sdpa: segment ids take the dense path because {dense_reason}",
                       stacklevel=2)

@@ -127,20 +127,23 @@ def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tm
     import gzip
     import json
 
-    from benchmarks.traces import kernel_table, kernel_times
+    from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
+    launch = {"kernel_details": "regs:30 grid:256,32,16 block:128,1,1 occ_pct:100"}
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-              {"ph": "X", "pid": 1, "name": "fprop", "dur": 30},
-              {"ph": "X", "pid": 1, "name": "fprop", "dur": 30},
+              {"ph": "X", "pid": 1, "name": "fprop", "dur": 30, "ts": 50, "args": launch},
+              {"ph": "X", "pid": 1, "name": "fprop", "dur": 31, "ts": 10},
               {"ph": "X", "pid": 1, "name": "memset", "dur": 2},
               {"ph": "X", "pid": 2, "name": "fprop", "dur": 500}]
     (tmp_path / "plugins").mkdir()
     with gzip.open(tmp_path / "plugins" / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     totals, counts = kernel_times(str(tmp_path))
-    assert totals == {"fprop": 60, "memset": 2} and counts == {"fprop": 2, "memset": 1}
+    assert totals == {"fprop": 61, "memset": 2} and counts == {"fprop": 2, "memset": 1}
     lines = kernel_table(totals, counts, per=2)
-    assert "30.00 µs" in lines[0] and "fprop" in lines[0] and "x1 " in lines[0]
+    assert "30.50 µs" in lines[0] and "fprop" in lines[0] and "x1 " in lines[0]
+    assert kernel_launches(str(tmp_path)) == {"fprop": ["grid:256,32,16 block:128,1,1"]}
+    assert kernel_events(str(tmp_path), "prop") == [(10, 31), (50, 30)]  # GPU only, in order
     assert "ms" in kernel_table(totals, counts, unit="ms")[0]
 
 
@@ -157,3 +160,37 @@ def test_cudnn_parts_fit_one_device_call_each():
     assert sorted(f for b in bins for f in b["files"]) == sorted(sizes)
     assert all(b["bytes"] <= module.PART_BYTES for b in bins)
     assert len(bins) == 3  # 186 MiB in 63 MiB parts: no fewer can hold it
+
+
+def test_a_patched_variant_is_traced_alone_and_caches_are_cleared_around_it(monkeypatch):
+    """packed_compile's variants patch module globals while they trace. On the H200 (2026-11-30,
+    sixth session) the shipped packed call compiled after those variants ran the last variant's
+    plan (cuDNN's launch grid showed it) until the patch cleared JAX's caches on the way in and
+    out; a CPU lowering does not reproduce the leak, so this checks both halves: what a patch
+    changes is traced and undone, and the caches are cleared around it. Lowered for CUDA."""
+    import re
+
+    import jax
+    import jax_sdpa
+    from benchmarks.packed_compile import _patched
+    from jax_sdpa import kernels
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
+
+    def bounds():
+        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, query_segment_ids=ids,
+            implementation="cudnn").astype(jnp.float32).sum())
+        text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        return set(re.findall(r"max_document_q = (\d+)", text))
+    shipped = bounds()
+    assert len(shipped) > 1  # several plans, picked on the device
+    clears = []
+    clear = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: clears.append(1) or clear())
+    with _patched(kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,)):
+        assert bounds() == {"1024"}
+        assert len(clears) == 1
+    assert len(clears) == 2
+    assert bounds() == shipped

@@ -213,27 +213,3 @@ def test_blockwise_fallback_is_the_reference(case):
     assert relative_error(out_b, out_a) < 1e-5 and relative_error(lse_b, lse_a) < 1e-5
     cot = (d_out, jnp.zeros_like(lse_a))
     assert relative_error(vjp_b(cot)[0], vjp_a(cot)[0]) < 1e-5
-
-
-def test_a_cudnn_with_slow_ragged_kernels_is_named_to_packed_row_users():
-    note = planning.ragged_speed_note(92801)
-    assert "92801" in note and "nvidia-cudnn-cu13==9.19" in note
-    assert planning.ragged_speed_note(91900) is None
-    assert planning.ragged_speed_note(93000) is None
-
-
-def test_no_cudnn_version_note_off_the_gpu(emulated_cudnn, monkeypatch):
-    """Planned for cuDNN with the device check patched (CPU): the loaded cuDNN's version is
-    not the device's, so no note, whatever that version is."""
-    if jax.devices()[0].platform == "gpu":
-        pytest.skip("a GPU is present")
-    import warnings
-    monkeypatch.setattr(_ffi, "cudnn_version", lambda: 92801)
-    jax_sdpa._warnings.reset()
-    q = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
-    ids = jnp.asarray([runs((8, 1), (8, 2))])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.jit(lambda q: jax_sdpa.dot_product_attention(
-            q, q, q, query_segment_ids=ids, implementation="cudnn")).lower(q)
-    assert not [w for w in caught if "ragged layout" in str(w.message)]
