@@ -59,14 +59,15 @@ def devtools():
     return _sdpa_devtools
 
 
-def time_plans(config, direction, rounds, inputs):
+def time_plans(config, direction, rounds, inputs, implementation="auto"):
     sets, keep = buffer_sets(config, direction, inputs)
     timings = devtools().time_plans(
         direction=direction, dtype=jnp.dtype(config.dtype).name, batch=config.batch,
         q_seq_len=config.seq, kv_seq_len=config.seq, q_heads=config.q_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, head_dim_v=config.head_dim,
         causal=config.causal, scale=config.head_dim ** -0.5, iterations=CALLS * rounds,
-        input_sets=CALLS, buffers=sets, device=inputs[0][0].devices().pop().id)
+        input_sets=CALLS, buffers=sets, device=inputs[0][0].devices().pop().id,
+        implementation=implementation)
     del keep  # the arrays lived while their memory was in use
     return timings
 
@@ -91,6 +92,21 @@ def time_ragged_plans(config, direction, rounds, max_segments):
         head_dim=packed.HEAD_DIM, head_dim_v=packed.HEAD_DIM, causal=True,
         scale=packed.HEAD_DIM ** -0.5, iterations=CALLS * rounds, input_sets=CALLS,
         document_lengths=lengths, total_tokens=config.batch * config.seq)
+
+
+def time_other_implementations(config, rounds, inputs, implementations):
+    """{"forward <implementation>": plans} for the frontend's other SDPA forward
+    implementations (set_implementation); a graph the implementation refuses is one row that
+    carries cuDNN's message."""
+    found = {}
+    for implementation in implementations:
+        try:
+            plans = time_plans(config, "forward", rounds, inputs, implementation)
+        except RuntimeError as error:
+            plans = [dict(plan=0, name="-", workspace_bytes=0, ms=0.0, host_us=0.0,
+                          error=str(error))]
+        found[f"forward {implementation}"] = plans
+    return found
 
 
 def preferred(plans):
@@ -135,7 +151,9 @@ def markdown(results):
               "workspace MiB | host µs per execute | error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for direction, plans in r["plans"].items():
-            first = preferred(plans)["ms"]
+            # Against the frontend's own choice (auto) in that direction: other forward
+            # implementations compare with it, and one that refused the graph has no plan.
+            first = preferred(r["plans"][direction.split()[0]])["ms"]
             for p in plans:
                 ms = f"{p['ms']:.3f}" if p["ms"] > 0 else "–"
                 ratio = f"{p['ms'] / first:.3f}" if p["ms"] > 0 else "–"
@@ -154,6 +172,10 @@ def write_json(directory, header, results):
 def main(argv=None):
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--forward-implementation", action="append", default=[],
+                        choices=("composite", "unified"),
+                        help="also time each dense config's forward with this SDPA "
+                             "implementation of the frontend (auto is always timed)")
     parser.add_argument("--ragged", action="append", default=[], metavar="PACKED",
                         help="also every plan of the ragged graph of benchmarks/packed.py's "
                              "config PACKED (e.g. 4x2048), alone; --only '' skips the dense ones")
@@ -173,6 +195,8 @@ def main(argv=None):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
         inputs = make_inputs(config, seed=0)
         plans = {d: time_plans(config, d, args.rounds, inputs) for d in ("forward", "backward")}
+        plans.update(time_other_implementations(config, args.rounds, inputs,
+                                                args.forward_implementation))
         del inputs
         fwd, bwd = (preferred(plans[d])["ms"] for d in ("forward", "backward"))
         best_fwd, best_bwd = (min(p["ms"] for p in plans[d] if p["ms"] > 0)

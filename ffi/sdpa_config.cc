@@ -23,7 +23,8 @@ auto Fields(const SdpaConfig& c) {
                          c.window_right, c.bottom_right,
                          c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.page_size,
                          c.num_pages, c.bias_batch,
-                         c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout));
+                         c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout),
+                         static_cast<int32_t>(c.forward_implementation));
 }
 
 }  // namespace
@@ -58,6 +59,8 @@ std::string SdpaConfig::ToString() const {
   }
   if (deterministic) out << ", deterministic";
   if (dropout > 0) out << ", dropout=" << dropout;
+  if (forward_implementation == ForwardImplementation::kComposite) out << ", composite";
+  if (forward_implementation == ForwardImplementation::kUnified) out << ", unified";
   out << "}";
   return out.str();
 }

@@ -12,6 +12,11 @@ enum class ElementType : int32_t { kFloat16 = 0, kBFloat16 = 1 };
 
 enum class Direction : int32_t { kForward = 0, kBackward = 1 };
 
+// cuDNN frontend's SDPA forward implementations (SDPA_attributes::set_implementation): kAuto lets
+// the frontend choose (what it does when never asked; from frontend 1.21 with cuDNN >= 9.21 it
+// prefers the unified engine where that engine supports the graph), the others force one.
+enum class ForwardImplementation : int32_t { kAuto = 0, kComposite = 1, kUnified = 2 };
+
 struct SdpaConfig {
   Direction direction = Direction::kForward;
   int32_t device = 0;
@@ -56,6 +61,8 @@ struct SdpaConfig {
   // Attention dropout: the probability of dropping a weight; > 0 adds Philox seed and offset
   // operands (int64 scalars on the device), so the backward drops what the forward dropped.
   float dropout = 0.0f;
+  // Forward only. The product leaves kAuto; benchmarks.plans times the others against it.
+  ForwardImplementation forward_implementation = ForwardImplementation::kAuto;
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

@@ -215,6 +215,17 @@ void SetPageTables(fe::graph::Graph& graph, const SdpaConfig& c, Options& option
       .set_paged_attention_max_seq_len_kv(static_cast<int>(c.kv_seq_len));
 }
 
+fe::AttentionImplementation_t FrontendImplementation(ForwardImplementation implementation) {
+  switch (implementation) {
+    case ForwardImplementation::kComposite:
+      return fe::AttentionImplementation_t::COMPOSITE;
+    case ForwardImplementation::kUnified:
+      return fe::AttentionImplementation_t::UNIFIED;
+    default:
+      return fe::AttentionImplementation_t::AUTO;
+  }
+}
+
 std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
   auto graph = NewGraph(c);
   OffsetTensors offsets = AddOffsets(*graph, c);
@@ -224,7 +235,8 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
   auto options = fe::graph::SDPA_attributes()
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
-                     .set_attn_scale(c.scale);
+                     .set_attn_scale(c.scale)
+                     .set_implementation(FrontendImplementation(c.forward_implementation));
   SetMasking(*graph, c, AddSoftCap(*graph, c), options);
   SetPageTables(*graph, c, options);
   auto [o, stats] = graph->sdpa(q, k, v, options);

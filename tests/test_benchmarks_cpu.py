@@ -34,6 +34,30 @@ def test_plan_table_ratios():
     assert "| c | backward | 1 | eng1 | 0.600 | 1.000 |" in table
 
 
+def test_other_forward_implementations_compare_with_the_frontends_choice():
+    result = dict(
+        config="c", plans={"forward": [plan(0, 0.2)], "backward": [plan(0, 0.6)],
+                           "forward unified": [plan(0, 0.18)],
+                           "forward composite": [plan(0, 0.0, "unified refuses masks")]},
+        alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
+        calls_ms={f"{impl}|{mode}": 1.0 for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")
+                  for mode in ("fwd", "fwd+bwd")})
+    table = plans.markdown([result])
+    assert "| c | forward unified | 0 | eng0 | 0.180 | 0.900 |" in table
+    assert "| c | forward composite | 0 | eng0 | – | – | 1.0 | 9.0 | unified refuses masks |" in table
+
+
+def test_a_refused_implementation_is_a_row_with_cudnns_message(monkeypatch):
+    def refuse(config, direction, rounds, inputs, implementation="auto"):
+        assert direction == "forward"
+        raise RuntimeError(f"cuDNN frontend build failed: {implementation} not supported")
+    monkeypatch.setattr(plans, "time_plans", refuse)
+    found = plans.time_other_implementations(None, 1, [], ["unified"])
+    assert list(found) == ["forward unified"]
+    (row,) = found["forward unified"]
+    assert row["ms"] == 0 and "unified not supported" in row["error"]
+
+
 def test_parse_config():
     config = parse_config("mine:2,2048,16,4,128,bf16,causal")
     assert (config.name, config.batch, config.seq, config.q_heads, config.kv_heads,

@@ -25,13 +25,24 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
                    int64_t head_dim, int64_t head_dim_v, bool causal, float scale,
                    int64_t iterations, int64_t input_sets,
                    const std::vector<std::vector<uintptr_t>>& buffers, int32_t device,
-                   const std::vector<int32_t>& document_lengths, int64_t total_tokens) {
+                   const std::vector<int32_t>& document_lengths, int64_t total_tokens,
+                   const std::string& implementation) {
   jax_sdpa::SdpaConfig c;
   if ((direction != "forward" && direction != "backward") ||
-      (dtype != "float16" && dtype != "bfloat16")) {
-    throw std::invalid_argument("direction must be forward|backward and dtype "
-                                "float16|bfloat16, got " + direction + ", " + dtype);
+      (dtype != "float16" && dtype != "bfloat16") ||
+      (implementation != "auto" && implementation != "composite" &&
+       implementation != "unified") ||
+      (direction == "backward" && implementation != "auto")) {
+    throw std::invalid_argument(
+        "direction must be forward|backward, dtype float16|bfloat16 and implementation "
+        "auto|composite|unified (forward only), got " + direction + ", " + dtype + ", " +
+        implementation);
   }
+  c.forward_implementation = implementation == "unified"
+                                 ? jax_sdpa::ForwardImplementation::kUnified
+                             : implementation == "composite"
+                                 ? jax_sdpa::ForwardImplementation::kComposite
+                                 : jax_sdpa::ForwardImplementation::kAuto;
   c.direction = direction == "forward" ? jax_sdpa::Direction::kForward
                                        : jax_sdpa::Direction::kBackward;
   c.element_type = dtype == "float16" ? jax_sdpa::ElementType::kFloat16
@@ -85,12 +96,15 @@ NB_MODULE(_sdpa_devtools, m) {
         nb::arg("iterations"), nb::arg("input_sets"),
         nb::arg("buffers") = std::vector<std::vector<uintptr_t>>(), nb::arg("device") = 0,
         nb::arg("document_lengths") = std::vector<int32_t>(), nb::arg("total_tokens") = 0,
+        nb::arg("implementation") = "auto",
         "Times every cuDNN plan of one SDPA graph alone (CUDA events, a private stream): a "
         "list of {plan, name, workspace_bytes, ms, host_us, error}, the heuristics' order. "
         "buffers: per input set, device pointers q, k, v, o, stats[, d_o, dq, dk, dv] the "
         "caller owns; without them, input_sets sets of random values. document_lengths (one "
         "per entry, batch entries; random inputs only) makes it the ragged layout's graph, "
-        "its arrays [total_tokens, heads, dim] with the documents packed from token 0.");
+        "its arrays [total_tokens, heads, dim] with the documents packed from token 0. "
+        "implementation: the frontend's SDPA forward implementation (auto, composite, "
+        "unified; set_implementation).");
   m.def(
       "write_graph_file",
       [](const std::string& directory, const std::string& key, const nb::bytes& payload) {
