@@ -1,29 +1,28 @@
 """The ragged backward's kernels through jax_sdpa and as the graph alone, with their launch grids.
 
-    python -m benchmarks.ragged_kernels [--config 4x2048] [--trace DIR]
+    python -m benchmarks.ragged_kernels [--config 4x2048] [--trace DIR] [--call-first]
+                                        [--executions N]
 
-On cuDNN 9.28 a packed fwd+bwd call runs 2.8x its per-document bound, while the same ragged
-graph timed alone (benchmarks.plans --ragged) is as fast as on 9.19: the time goes to the
-backward's dO.O and dQ-conversion kernels in the call only. This traces, in one process: the
-graph alone (the developer tools' plan timing, on random inputs laid out like the call's);
-jax_sdpa's packed call as shipped; the same with the offsets table's rows padded to 256 bytes
-(whether the kernels slow down for the table's alignment). Each prints GPU time per kernel name
-and the kernels' launch shapes, and the call's lowered attributes (the bounds it passes).
+Traces, in one process, the ragged graph alone (the developer tools' plan timing, on random
+inputs laid out like the call's: benchmarks.plans --ragged) and jax_sdpa's packed fwd+bwd call
+as shipped, and prints for each the GPU time per kernel name, the kernels' launch shapes
+(grid and block) and, for the call, the document bounds its lowered plans pass and the dO.O and
+bprop events in time order. The launch shapes say which plan ran: this is how the sixth session
+(2026-11-30) found that a packed "as shipped" figure on cuDNN 9.28 was the largest plan's (256
+entries x 8192: grid 1024x256x16 for dO.O) and not the shipped one's (32 x 2048: 256x32x16).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 
 import jax
 
 from benchmarks import plans
 from benchmarks.packed import configs, make_inputs, timed_functions
-from benchmarks.packed_compile import _patched, variants
+from benchmarks.packed_compile import variants
 from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
-from jax_sdpa import packing
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
 
@@ -45,8 +44,7 @@ def main(argv=None):
                         help="trace the call before the graph alone (as a process that never "
                              "ran the developer tools sees it)")
     parser.add_argument("--executions", type=int, default=1,
-                        help="executions of the chain of calls traced (later ones see the "
-                             "scratch memory earlier ones left)")
+                        help="executions of the chain of calls traced")
     args = parser.parse_args(argv)
     config = next(c for c in configs() if c.name == args.config)
     ids = jax.numpy.asarray(config.segment_ids())
@@ -55,25 +53,20 @@ def main(argv=None):
     if not args.call_first:
         alone(config, args.trace)
     inputs = make_inputs(config, seed=0)
-    cases = {"call as shipped": contextlib.nullcontext(),
-             "call, offsets rows 256-byte aligned": _patched(packing, _OFFSETS_ROW_MULTIPLE=64)}
-    for name, patch in cases.items():
-        with patch:
-            step = timed_functions(shipped)["fwd+bwd"]
-            lowered = step.lower(inputs)
-            compiled = lowered.compile()
-        bounds = sorted(set(re.findall(r"max_document_\w+ = \d+", lowered.as_text())))
-        print(f"{name}: lowered bounds {bounds}")
-        jax.block_until_ready(compiled(inputs))
-        directory = f"{args.trace}/{re.sub(r'[^a-z0-9]+', '-', name)}"
-        with jax.profiler.trace(directory, create_perfetto_trace=True):
-            for _ in range(args.executions):
-                jax.block_until_ready(compiled(inputs))
-        report(name, directory, per=len(inputs) * args.executions)
-        for kernel in ("dot_do_o", "bprop"):
-            events = kernel_events(directory, kernel)
-            print(f"    {kernel} events in time order, µs: "
-                  f"{' '.join(f'{d:.0f}' for _, d in events)[:400]}")
+    lowered = timed_functions(shipped)["fwd+bwd"].lower(inputs)
+    compiled = lowered.compile()
+    bounds = sorted(set(re.findall(r"max_document_\w+ = \d+", lowered.as_text())))
+    print(f"call as shipped: lowered bounds {bounds}")
+    jax.block_until_ready(compiled(inputs))
+    directory = f"{args.trace}/call"
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(args.executions):
+            jax.block_until_ready(compiled(inputs))
+    report("call as shipped", directory, per=len(inputs) * args.executions)
+    for kernel in ("dot_do_o", "bprop"):
+        events = kernel_events(directory, kernel)
+        print(f"    {kernel} events in time order, µs: "
+              f"{' '.join(f'{d:.0f}' for _, d in events)[:400]}")
     if args.call_first:
         alone(config, args.trace)
 

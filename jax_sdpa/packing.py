@@ -16,9 +16,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Each row of the [5, R] ragged offsets table is padded to a multiple of this many int32s, so
-# that every row starts 16-byte aligned.
-_OFFSETS_ROW_MULTIPLE = 4
 
 class Documents(NamedTuple):
     """Per row, `max_segments` document slots in order of position; unused slots are empty.
@@ -155,7 +152,7 @@ def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv
     kv_tokens = compact(rows * kv_seq_len + docs.kv_start, batch * kv_seq_len)
     q_tokens = jnp.concatenate([q_tokens, jnp.full((1,), batch * q_seq_len, jnp.int32)])
     kv_tokens = jnp.concatenate([kv_tokens, jnp.full((1,), batch * kv_seq_len, jnp.int32)])
-    width = -(-(entries + 1) // _OFFSETS_ROW_MULTIPLE) * _OFFSETS_ROW_MULTIPLE
+    width = -(-(entries + 1) // 4) * 4
     pad = lambda x: jnp.pad(x, (0, width - x.shape[0]), mode="edge")  # noqa: E731
     offsets = jnp.stack([pad(q_tokens * (q_heads * head_dim)),
                          pad(kv_tokens * (kv_heads * head_dim)),
