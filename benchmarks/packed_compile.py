@@ -8,10 +8,11 @@ branches without the exact fallback (a stand-in that returns zeros: timing only,
 the fallback with one ragged plan; the dense (non-packed) call for scale. With --trace, writes a
 jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls to DIR, and prints the
 GPU time per kernel name from it. With --time, times the fwd+bwd chains (interleaved rounds) of
-the shipped call, of one ragged plan with and without the lax.switch around it (the switch's
-predicate is read on the host before the branch can launch: the difference is that round
-trip's cost; without the switch nothing checks the ids, so that variant is for timing only), and
-of the per-document bound.
+the shipped call, of the plan it picks for these documents alone with and without the
+lax.switch around it (the switch's predicate is read on the host before the branch can launch:
+the difference is that round trip's cost and the branch choice's kernels; without the switch
+nothing checks the ids, so that variant is for timing only), and of the per-document bound.
+Variants patch module globals while they trace; `_patched` clears JAX's caches around them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 
 import jax_sdpa
 from jax_sdpa import kernels
+from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
+from benchmarks.plans import ragged_layout
 from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
 
 
@@ -95,6 +98,14 @@ def _without_switch():
     return _patched(jax.lax, switch=lambda index, branches, *operands: branches[0](*operands))
 
 
+def _its_plan_only(config):
+    """The plan table cut to the one plan the shipped call picks for this config's documents
+    (the same kernels: with and without the switch then differ by the switch alone; the
+    largest plan, used before the sixth session, runs other kernels on cuDNN 9.28)."""
+    entries, bound, _ = ragged_layout(config, DEFAULT_MAX_SEGMENTS)
+    return _patched(kernels, _plans=lambda *args: [(entries, (bound, bound))])
+
+
 def timed_variants(config, ids, rounds):
     """Prints the median ms per fwd+bwd call of each variant and its ratio to the bound."""
     from benchmarks.attention import interleaved_rounds  # noqa: PLC0415
@@ -103,12 +114,10 @@ def timed_variants(config, ids, rounds):
         return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
                                               implementation="cudnn")
 
-    def one_plan():
-        return _patched(kernels, _ENTRY_FRACTIONS=(1,), _LENGTH_FRACTIONS=(1,))
     cases = [  # (name, attention, the patches active while it is traced)
         ("packed, as shipped", packed, []),
-        ("packed, one plan + fallback, switch", packed, [one_plan()]),
-        ("packed, one plan, no switch", packed, [one_plan(), _without_switch()]),
+        ("packed, its plan + fallback, switch", packed, [_its_plan_only(config)]),
+        ("packed, its plan, no switch", packed, [_its_plan_only(config), _without_switch()]),
         ("per-document bound", _per_document(config), []),
     ]
     inputs = make_inputs(config, seed=0)

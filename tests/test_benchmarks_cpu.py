@@ -218,3 +218,33 @@ def test_a_patched_variant_is_traced_alone_and_caches_are_cleared_around_it(monk
         assert len(clears) == 1
     assert len(clears) == 2
     assert bounds() == shipped
+
+
+def test_the_timed_single_plan_variant_is_the_plan_the_shipped_call_picks(monkeypatch):
+    """packed_compile --time compares the shipped call with its own plan alone (with and
+    without the switch): that variant must lower exactly that plan (4x2048: 32 entries of at
+    most 2048 tokens). Lowered for CUDA from shapes: no GPU, no arrays."""
+    import re
+
+    import jax
+    import jax_sdpa
+    from benchmarks import packed
+    from benchmarks.packed_compile import _its_plan_only
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    config = {c.name: c for c in packed.configs()}["4x2048"]
+    ids = jnp.asarray(config.segment_ids())
+    shape = jax.ShapeDtypeStruct((config.batch, config.seq, packed.N_HEADS, packed.HEAD_DIM),
+                                 packed.DTYPE)
+
+    def lowered_plans(q):
+        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, query_segment_ids=ids,
+            implementation="cudnn").astype(jnp.float32).sum())
+        text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        return (set(re.findall(r"max_document_q = (\d+)", text)),
+                set(re.findall(r"@jax_sdpa_\w+\([^)]*\) .*?: \(.*?tensor<(\d+)xi32>", text)))
+    with _its_plan_only(config):
+        bounds, entries = lowered_plans(shape)
+        assert bounds == {"2048"} and entries == {"32"}
+    bounds, entries = lowered_plans(shape)
+    assert len(bounds) > 1 and len(entries) > 1
