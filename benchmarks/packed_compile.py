@@ -31,7 +31,7 @@ from jax_sdpa import kernels
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
 from benchmarks.plans import ragged_layout
-from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
+from benchmarks.traces import events_line, launch_table
 
 
 @contextlib.contextmanager
@@ -163,16 +163,10 @@ def main(argv=None):
             with jax.profiler.trace(directory, create_perfetto_trace=True):
                 for _ in range(3):
                     jax.block_until_ready(step(inputs))
-            totals, counts = kernel_times(directory)
-            launches = kernel_launches(directory)
             print(f"{name}: GPU µs per kernel name over 3 steps of {len(inputs)} fwd+bwd calls "
                   "(total, events), launch shapes:")
-            for line, (kernel, _) in zip(kernel_table(totals, counts, limit=12),
-                                         totals.most_common(12)):
-                print(f"{line}\n        {'; '.join(launches.get(kernel, []))[:160]}")
-            events = kernel_events(directory, "dot_do_o")
-            print(f"    dot_do_o events in time order, µs: "
-                  f"{' '.join(f'{d:.0f}' for _, d in events)[:300]}")
+            print("\n".join(launch_table(directory, limit=12)))
+            print(events_line(directory, "dot_do_o", width=300))
 
 
 if __name__ == "__main__":

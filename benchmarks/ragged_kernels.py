@@ -22,18 +22,13 @@ import jax
 from benchmarks import plans
 from benchmarks.packed import configs, make_inputs, timed_functions
 from benchmarks.packed_compile import variants
-from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
+from benchmarks.traces import events_line, launch_table
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
 
 def report(name, directory, per):
-    totals, counts = kernel_times(directory)
-    launches = kernel_launches(directory)
     print(f"{name}: GPU µs per kernel name per call (events per call), launch shapes:")
-    for line, (kernel, _) in zip(kernel_table(totals, counts, per=per, limit=8),
-                                 totals.most_common(8)):
-        print(line)
-        print(f"        {'; '.join(launches.get(kernel, []))[:200]}")
+    print("\n".join(launch_table(directory, per=per, limit=8)))
 
 
 def main(argv=None):
@@ -63,10 +58,8 @@ def main(argv=None):
         for _ in range(args.executions):
             jax.block_until_ready(compiled(inputs))
     report("call as shipped", directory, per=len(inputs) * args.executions)
-    for kernel in ("dot_do_o", "bprop"):
-        events = kernel_events(directory, kernel)
-        print(f"    {kernel} events in time order, µs: "
-              f"{' '.join(f'{d:.0f}' for _, d in events)[:400]}")
+    print(events_line(directory, "dot_do_o"))
+    print(events_line(directory, "bprop"))
     if args.call_first:
         alone(config, args.trace)
 

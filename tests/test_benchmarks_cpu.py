@@ -151,7 +151,8 @@ def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tm
     import gzip
     import json
 
-    from benchmarks.traces import kernel_events, kernel_launches, kernel_table, kernel_times
+    from benchmarks.traces import (events_line, kernel_events, kernel_launches, kernel_table,
+                                   kernel_times, launch_table)
     launch = {"kernel_details": "regs:30 grid:256,32,16 block:128,1,1 occ_pct:100"}
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -168,6 +169,9 @@ def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tm
     assert "30.50 µs" in lines[0] and "fprop" in lines[0] and "x1 " in lines[0]
     assert kernel_launches(str(tmp_path)) == {"fprop": ["grid:256,32,16 block:128,1,1"]}
     assert kernel_events(str(tmp_path), "prop") == [(10, 31), (50, 30)]  # GPU only, in order
+    assert launch_table(str(tmp_path), per=2)[:2] == [lines[0],
+                                                      "        grid:256,32,16 block:128,1,1"]
+    assert events_line(str(tmp_path), "prop").endswith("µs: 31 30")
     assert "ms" in kernel_table(totals, counts, unit="ms")[0]
 
 
@@ -186,14 +190,27 @@ def test_cudnn_parts_fit_one_device_call_each():
     assert len(bins) == 3  # 186 MiB in 63 MiB parts: no fewer can hold it
 
 
+def lowered_packed_plans(q, ids):
+    """({document bounds}, {entry counts}) of the ragged plans a causal packed fwd+bwd call
+    lowers for CUDA (q: an array or a ShapeDtypeStruct; needs the device check patched)."""
+    import re
+
+    import jax
+    import jax_sdpa
+    grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, query_segment_ids=ids,
+        implementation="cudnn").astype(jnp.float32).sum())
+    text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    return (set(re.findall(r"max_document_q = (\d+)", text)),
+            set(re.findall(r"@jax_sdpa_\w+\([^)]*\) .*?: \(.*?tensor<(\d+)xi32>", text)))
+
+
 def test_a_patched_variant_is_traced_alone_and_caches_are_cleared_around_it(monkeypatch):
     """packed_compile's variants patch module globals while they trace. On the H200 (2026-11-30,
     sixth session) the shipped packed call compiled after those variants ran the last variant's
     plan (cuDNN's launch grid showed it) until the patch cleared JAX's caches on the way in and
     out; a CPU lowering does not reproduce the leak, so this checks both halves: what a patch
     changes is traced and undone, and the caches are cleared around it. Lowered for CUDA."""
-    import re
-
     import jax
     import jax_sdpa
     from benchmarks.packed_compile import _patched
@@ -203,11 +220,7 @@ def test_a_patched_variant_is_traced_alone_and_caches_are_cleared_around_it(monk
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
 
     def bounds():
-        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
-            q, q, q, is_causal=True, query_segment_ids=ids,
-            implementation="cudnn").astype(jnp.float32).sum())
-        text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-        return set(re.findall(r"max_document_q = (\d+)", text))
+        return lowered_packed_plans(q, ids)[0]
     shipped = bounds()
     assert len(shipped) > 1  # several plans, picked on the device
     clears = []
@@ -224,8 +237,6 @@ def test_the_timed_single_plan_variant_is_the_plan_the_shipped_call_picks(monkey
     """packed_compile --time compares the shipped call with its own plan alone (with and
     without the switch): that variant must lower exactly that plan (4x2048: 32 entries of at
     most 2048 tokens). Lowered for CUDA from shapes: no GPU, no arrays."""
-    import re
-
     import jax
     import jax_sdpa
     from benchmarks import packed
@@ -236,15 +247,8 @@ def test_the_timed_single_plan_variant_is_the_plan_the_shipped_call_picks(monkey
     shape = jax.ShapeDtypeStruct((config.batch, config.seq, packed.N_HEADS, packed.HEAD_DIM),
                                  packed.DTYPE)
 
-    def lowered_plans(q):
-        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
-            q, q, q, is_causal=True, query_segment_ids=ids,
-            implementation="cudnn").astype(jnp.float32).sum())
-        text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-        return (set(re.findall(r"max_document_q = (\d+)", text)),
-                set(re.findall(r"@jax_sdpa_\w+\([^)]*\) .*?: \(.*?tensor<(\d+)xi32>", text)))
     with _its_plan_only(config):
-        bounds, entries = lowered_plans(shape)
+        bounds, entries = lowered_packed_plans(shape, ids)
         assert bounds == {"2048"} and entries == {"32"}
-    bounds, entries = lowered_plans(shape)
+    bounds, entries = lowered_packed_plans(shape, ids)
     assert len(bounds) > 1 and len(entries) > 1
