@@ -143,57 +143,41 @@ def _packed_plans(inputs, config):
     return _plans(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
-def _plan_operands(inputs, docs, plans):
-    """{entries: ragged operands} for every plan, computed before the lax.switch. The switch's
-    index reaches the host through a copy that waits for the GPU's queue to drain; whatever a
-    branch launches before cuDNN's kernel runs on an idle GPU then (measured, 2026-11-30: the
-    operand fusions inside the branches cost ~0.1 ms per fwd+bwd call at 4x2048). Plans share
-    one table: documents are compacted to the front, so a plan with fewer entries takes the
-    first lengths, and the offsets rows as they are (the FFI reads a row's first entries + 1)."""
-    q_lengths, kv_lengths, offsets = _ragged_operands(inputs, docs, max(n for n, _ in plans))
-    return {n: (q_lengths[:n], kv_lengths[:n], offsets) for n in sorted({n for n, _ in plans})}
-
-
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
     plans = _packed_plans(inputs, config)
-    operands = _plan_operands(inputs, docs, plans)
 
     def ragged(plan, inputs):
         entries, bound = plan
-        return _ffi.sdpa_forward(inputs, config, operands[entries], max_document=bound)
+        output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
+                                          max_document=bound)
+        stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
+        if _may_see_nothing(config):
+            uniform = _uniform_rows(config, inputs, docs)
+            output = jnp.where(uniform[:, :, None, None],
+                               _mean_value(inputs)[:, None].astype(output.dtype), output)
+            stats = jnp.where(uniform[:, None, :], large_negative(), stats)
+        return output, stats
 
     def exact(inputs):
-        output, stats = reference_kernel.blockwise_forward(config, inputs)
-        return output, jnp.swapaxes(stats, 1, 2)
+        return reference_kernel.blockwise_forward(config, inputs)
     branches = [functools.partial(ragged, plan) for plan in plans] + [exact]
-    output, stats = jax.lax.switch(_branch(docs, plans), branches, inputs)
-    stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
-    if _may_see_nothing(config):
-        # Rows that see no key: the mean of all values, as the reference. Only where the
-        # table expresses the ids (docs.ok: a ragged branch ran); the exact branch is right
-        # as it is, and a table that cannot express the ids may name the wrong rows.
-        uniform = _uniform_rows(config, inputs, docs) & docs.ok
-        output = jnp.where(uniform[:, :, None, None],
-                           _mean_value(inputs)[:, None].astype(output.dtype), output)
-        stats = jnp.where(uniform[:, None, :], large_negative(), stats)
-    return output, stats
+    return jax.lax.switch(_branch(docs, plans), branches, inputs)
 
 
 def _packed_backward(config, inputs, output, stats, d_output):
     docs = _documents(config, inputs)
     plans = _packed_plans(inputs, config)
-    operands = _plan_operands(inputs, docs, plans)
-    uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
-    cleared = d_output
-    if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
-        cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
-    token_major_stats = jnp.swapaxes(stats, 1, 2)
 
     def ragged(plan, inputs, output, stats, d_output):
         entries, bound = plan
-        dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, token_major_stats, cleared, config,
-                                           operands[entries], max_document=bound)
+        uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
+        cleared = d_output
+        if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
+            cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
+        dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
+                                           config, _ragged_operands(inputs, docs, entries),
+                                           max_document=bound)
         if uniform is not None:
             extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
             dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
