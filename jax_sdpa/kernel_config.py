@@ -48,6 +48,10 @@ class KernelConfig:
     # cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
     segments: str = ""
     max_segments: int = 0
+    # (queries, keys): the caller's stated bound on a document's tokens (its documents are
+    # contiguous runs, at most max_segments per row): one ragged plan, no check on the device,
+    # rows breaking it poisoned with NaN; () when not stated (kernels.py).
+    document_bound: tuple[int, ...] = ()
     # Scaled scores become cap * tanh(scores / cap) before the bias and masks; 0: none.
     logits_soft_cap: float = 0.0
     # A sinks input (float [N], one logit per query head): the kernels scale their output by

@@ -23,13 +23,15 @@ class Documents(NamedTuple):
     q_start, q_len, kv_start, kv_len: int32 [B, M], a document's query run [q_start, q_start +
     q_len) and key/value run, clipped to the sequence lengths (a document whose queries see no
     key has q_len 0: its rows are the caller's to fill). q_slot: int32 [B, T], each query
-    token's slot, -1 for tokens in none. ok: bool [] (see the module docstring)."""
+    token's slot, -1 for tokens in none. row_ok: bool [B], whether the table expresses that
+    row's ids (see the module docstring); ok: bool [], every row's."""
 
     q_start: jax.Array
     q_len: jax.Array
     kv_start: jax.Array
     kv_len: jax.Array
     q_slot: jax.Array
+    row_ok: jax.Array
     ok: jax.Array
 
 
@@ -78,13 +80,13 @@ def documents(q_ids, kv_ids, *, max_segments, q_lengths=None, kv_lengths=None,
     positions only then)."""
     q_runs = _runs(q_ids, max_segments)
     q_len = _clip(q_runs.start, q_runs.end, q_lengths)
-    ok = jnp.all(q_runs.fits)
+    row_ok = q_runs.fits
     if kv_ids is None:
         kv_start = q_runs.start
         kv_len = _clip(q_runs.start, q_runs.end, kv_lengths)
     else:
         kv_runs = _runs(kv_ids, max_segments)
-        ok &= jnp.all(kv_runs.fits)
+        row_ok &= kv_runs.fits
         match = ((q_runs.ids[:, :, None] == kv_runs.ids[:, None, :]) & q_runs.used[:, :, None] &
                  kv_runs.used[:, None, :])
         found = jnp.any(match, axis=2)
@@ -94,16 +96,15 @@ def documents(q_ids, kv_ids, *, max_segments, q_lengths=None, kv_lengths=None,
         # Documents without keys take the start of the last one before them, so that the
         # offsets stay in order; those with keys must be in the queries' order themselves.
         kv_start = jax.lax.cummax(jnp.where(found, take(kv_runs.start), 0), axis=1)
-        in_order = jnp.all(jnp.where(found, take(kv_runs.start) == kv_start, True))
-        ok &= in_order
+        row_ok &= jnp.all(jnp.where(found, take(kv_runs.start) == kv_start, True), axis=1)
         if aligned:
-            ok &= jnp.all(jnp.where(found & (q_len > 0) & (kv_len > 0),
-                                    kv_start == q_runs.start, True))
+            row_ok &= jnp.all(jnp.where(found & (q_len > 0) & (kv_len > 0),
+                                        kv_start == q_runs.start, True), axis=1)
         kv_start = jnp.where(q_runs.used, kv_start, kv_ids.shape[1])
     # Queries that see no key at all are left out of the layout (the caller fills their rows).
     q_len = jnp.where(kv_len > 0, q_len, 0)
     q_slot = jnp.where(q_runs.slot < max_segments, q_runs.slot, -1)
-    return Documents(q_runs.start, q_len, kv_start, kv_len, q_slot, ok)
+    return Documents(q_runs.start, q_len, kv_start, kv_len, q_slot, row_ok, jnp.all(row_ok))
 
 
 def rows_seeing_nothing(docs: Documents, window_left=-1, window_right=-1, q_lengths=None):

@@ -41,6 +41,10 @@ class AttentionCall:
     query_segment_ids: jnp.ndarray | None = None
     kv_segment_ids: jnp.ndarray | None = None
     max_segments: int = 0
+    # The caller's statement that every row's documents are contiguous runs of at most these
+    # many query and key tokens (max_segments per row): (queries, keys), or None. Lets cuDNN's
+    # ragged layout run without the check on the device (kernels.py); rows breaking it get NaN.
+    max_document_length: tuple[int, int] | None = None
     # Soft-capping of the scaled scores (cap * tanh(scores / cap)), None for none; attention
     # sinks: float32 [N], one logit per query head that joins each softmax denominator.
     logits_soft_cap: float | None = None
@@ -167,6 +171,22 @@ def _max_segments(max_segments):
     return max_segments
 
 
+def _max_document_length(value, q_ids, q_seq_len, kv_seq_len):
+    """(queries, keys) as ints >= 1, clipped to the rows' lengths, or None."""
+    if value is None:
+        return None
+    if q_ids is None:
+        raise ValueError("max_document_length states a bound on packed documents: it needs "
+                         "query_segment_ids")
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2:
+        raise ValueError(f"max_document_length must be an int or (queries, keys), got {value!r}")
+    pair = tuple(_python_number(n, "max_document_length", integral=True) for n in pair)
+    if min(pair) < 1:
+        raise ValueError(f"max_document_length must be >= 1, got {value!r}")
+    return min(pair[0], q_seq_len), min(pair[1], kv_seq_len)
+
+
 def _dropout(dropout_rate, dropout_rng):
     rate = _python_number(dropout_rate, "dropout_rate", none_allowed=False)
     if not 0.0 <= rate < 1.0:
@@ -216,7 +236,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
              key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
              dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
              kv_segment_ids=None, max_segments=None, logits_soft_cap=None,
-             sinks=None) -> AttentionCall:
+             sinks=None, max_document_length=None) -> AttentionCall:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
@@ -276,6 +296,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
         dropout_rate=rate, dropout_rng=rng, query_segment_ids=q_ids, kv_segment_ids=kv_ids,
         max_segments=_max_segments(max_segments),
+        max_document_length=_max_document_length(max_document_length, q_ids, q_seq_len,
+                                                 kv_seq_len),
         logits_soft_cap=checked_soft_cap(logits_soft_cap),
         sinks=checked_sinks(sinks, q_heads, query.dtype),
     )

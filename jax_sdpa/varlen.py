@@ -23,6 +23,14 @@ def _checked_cu_seqlens(cu_seqlens, name, total):
     return cu
 
 
+def _max_seqlen(max_seqlen_q, max_seqlen_kv):
+    if max_seqlen_q is None:
+        if max_seqlen_kv is not None:
+            raise ValueError("max_seqlen_kv needs max_seqlen_q")
+        return None
+    return (max_seqlen_q, max_seqlen_q if max_seqlen_kv is None else max_seqlen_kv)
+
+
 def _segment_ids(cu, total):
     """int32 [1, total]: each token's sequence; tokens at or past cu[-1] get id len(cu) - 1."""
     return jnp.searchsorted(cu[1:], jnp.arange(total, dtype=jnp.int32),
@@ -32,7 +40,8 @@ def _segment_ids(cu, total):
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None,
                      is_causal=False, local_window_size=None, implementation=None,
                      return_residual=False, deterministic=False, dropout_rate=0.0,
-                     dropout_rng=None, logits_soft_cap=None, sinks=None):
+                     dropout_rng=None, logits_soft_cap=None, sinks=None, max_seqlen_q=None,
+                     max_seqlen_kv=None):
     """Attention of each sequence within itself, sequences packed along the token axis.
 
     Args:
@@ -45,6 +54,11 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
       is_causal, local_window_size: within each sequence, from its first token; self-attention
         only (cu_seqlens_kv None): with keys of their own, flash-attn aligns causal bottom-right
         per sequence, which segment ids do not express.
+      max_seqlen_q, max_seqlen_kv: static ints or None, as flash-attn's: no sequence holds
+        more query (key) tokens (max_seqlen_kv defaults to max_seqlen_q). Given, the call runs
+        one plan of cuDNN's ragged layout sized by them with no check on the device (faster:
+        dot_product_attention's max_document_length, which they become); a sequence longer
+        than stated makes the first token's output NaN, never a silently wrong value.
       The other arguments: as dot_product_attention.
 
     Returns ``[total_q, N, Hv]`` (and with return_residual the float32 lse ``[total_q, N]``).
@@ -79,7 +93,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, query_segment_ids=q_ids,
         kv_segment_ids=kv_ids, max_segments=cu_q.shape[0],
         query_seq_lengths=cu_q[-1:], key_value_seq_lengths=cu_kv[-1:],
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks,
+        max_document_length=_max_seqlen(max_seqlen_q, max_seqlen_kv))
     if return_residual:
         output, lse = result
         return output[0], lse[0]

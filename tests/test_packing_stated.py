@@ -1,0 +1,122 @@
+"""max_document_length (and varlen_attention's max_seqlen_q/_kv): the caller states the packed
+documents' bound, and cuDNN's ragged layout runs one plan with no check on the device. Rows that
+keep the statement match the reference (values and gradients); rows that break it come back NaN
+at their first token, never silently wrong, while the other rows stay right. On a GPU the real
+ragged calls run; elsewhere the emulated ones (tests/ragged_emulator.py)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa import planning
+from conftest import relative_error
+from test_packing import CROSS, ROWS, S, check, emulated_cudnn, qkv, runs  # noqa: F401
+
+
+@pytest.mark.parametrize("rows,kwargs", [
+    ("contiguous", dict(is_causal=True)),
+    ("unsorted_ids", dict(local_window_size=(5, 2))),
+    ("padding_id_last", dict(is_causal=True, query_seq_lengths=jnp.array([40, 30], jnp.int32),
+                             key_value_seq_lengths=jnp.array([40, 0], jnp.int32))),
+    ("single_tokens", dict(is_causal=True)),
+])
+def test_kept_statement_matches_segment_semantics(rows, kwargs, emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS[rows]))
+    longest = max(max(np.unique_counts(row).counts) for row in ROWS[rows])
+    documents = max(len(np.unique(row)) for row in ROWS[rows])
+    out, lse, lse_ref = check(*qkv(20), query_segment_ids=ids, max_segments=documents,
+                              max_document_length=int(longest), **kwargs)
+    if "query_seq_lengths" not in kwargs:  # (rows past a length: lse as the unstated path's)
+        assert relative_error(lse, lse_ref) < 1e-2
+
+
+def test_kept_statement_with_gqa_and_cross_ids(emulated_cudnn):
+    q_ids, kv_ids = (jnp.asarray(np.stack([row, row])) for row in CROSS["aligned"])
+    check(*qkv(21, kv_seq=S, kv_heads=1, head_dim_v=16), query_segment_ids=q_ids,
+          kv_segment_ids=kv_ids, is_causal=True, max_document_length=(20, 20))
+
+
+def _broken_rows_case(rows, **kwargs):
+    """(ours, reference, ours' gradient dq) for ids whose first row breaks the statement."""
+    ids = jnp.asarray(np.stack(rows))
+    q, k, v, d_out = qkv(22)
+
+    def attention(q, implementation):
+        k_, v_ = (x.astype(q.dtype) for x in (k, v))
+        return jax_sdpa.dot_product_attention(q, k_, v_, query_segment_ids=ids,
+                                              implementation=implementation, is_causal=True,
+                                              **(kwargs if implementation == "cudnn" else {}))
+    ours = jax.jit(attention, static_argnums=1)(q, "cudnn")
+    ref = attention(q.astype(jnp.float32), "xla")
+    dq = jax.grad(lambda q: jnp.vdot(attention(q, "cudnn").astype(jnp.float32),
+                                     d_out.astype(jnp.float32)))(q)
+    return ours, ref, dq
+
+
+@pytest.mark.parametrize("break_", ["reused_id", "too_long", "too_many"])
+def test_broken_statement_is_nan_never_silently_wrong(break_, emulated_cudnn):
+    kept_row = runs((10, 4), (20, 5), (18, 6))
+    broken = {"reused_id": ROWS["reused_id"][0],            # one id in two runs
+              "too_long": runs((30, 1), (18, 2)),           # a document past the bound
+              "too_many": runs((10, 1), (10, 2), (10, 3), (10, 4), (8, 5))}[break_]
+    ours, ref, dq = _broken_rows_case([broken, kept_row], max_document_length=20,
+                                      max_segments=4)
+    assert np.all(np.isnan(np.asarray(ours[0, 0], np.float32)))
+    assert np.all(np.isnan(np.asarray(dq[0, 0], np.float32)))
+    assert relative_error(ours[1], ref[1]) < 2e-2  # the row that kept it is right
+    assert not np.any(np.isnan(np.asarray(ours[1], np.float32)))
+
+
+def test_varlen_max_seqlen_is_the_statement(emulated_cudnn):
+    cu = jnp.array([0, 5, 5, 17, 30], jnp.int32)
+    q, k, v = (jax.random.normal(jax.random.key(i), (30, 4, 16)).astype(jnp.bfloat16)
+               for i in range(3))
+    ref = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="xla")
+    kept = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="cudnn",
+                                     max_seqlen_q=13)
+    assert relative_error(kept, ref) < 2e-2
+    broken = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="cudnn",
+                                       max_seqlen_q=12)  # the last sequence holds 13
+    assert np.all(np.isnan(np.asarray(broken[0], np.float32)))
+
+
+def test_stated_bound_lowers_one_plan_and_no_switch(monkeypatch):
+    """What the statement buys: the fwd+bwd for CUDA holds one ragged forward and one backward,
+    sized by the bound, and no conditional (whose index the host would wait for)."""
+    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
+
+    def lowered(**kwargs):
+        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, query_segment_ids=ids, implementation="cudnn",
+            **kwargs).astype(jnp.float32).sum())
+        return jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    stated = lowered(max_document_length=256, max_segments=4)
+    assert "stablehlo.case" not in stated
+    assert set(re.findall(r"max_document_q = (\d+)", stated)) == {"256"}
+    assert len(re.findall(r"@jax_sdpa_\w+\(", stated)) == 2
+    assert "stablehlo.case" in lowered()  # unstated: the checked switch
+
+
+@pytest.mark.parametrize("value,error", [
+    (0, ValueError), ((16, 0), ValueError), ((1, 2, 3), ValueError), (1.5, TypeError),
+])
+def test_max_document_length_refuses_bad_values(value, error):
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(error, match="max_document_length"):
+        jax_sdpa.dot_product_attention(q, q, q, query_segment_ids=ids, max_document_length=value)
+
+
+def test_max_document_length_needs_segment_ids():
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="max_document_length.*query_segment_ids"):
+        jax_sdpa.dot_product_attention(q, q, q, max_document_length=8)
+    with pytest.raises(ValueError, match="max_seqlen_kv needs max_seqlen_q"):
+        jax_sdpa.varlen_attention(q[0], q[0], q[0], jnp.array([0, 8], jnp.int32),
+                                  max_seqlen_kv=8)
