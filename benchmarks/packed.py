@@ -8,6 +8,8 @@ in one process, interleaved rounds, a straight-line chain of CALLS calls inside 
 (benchmarks/attention.py's method):
 - ragged: jax_sdpa with segment ids (cuDNN's ragged layout), at the default max_segments and,
   where it differs, at the tightest bound (the rows' own document count);
+- ragged stated: the same with the documents' bound stated (max_document_length = the longest
+  document, max_segments = the rows' own count): one plan, no check on the device;
 - dense ids: the same call with a trivially true mask, which sends segment ids the dense way
   (a [B, 1, T, S] bias: the path before the ragged layout, kept for this comparison);
 - per-document bound: the same documents as separate batch entries through jax_sdpa (one call
@@ -98,6 +100,10 @@ def implementations(config, tight=True):
         found[f"ragged M={tight}"] = lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, max_segments=tight,
             implementation="cudnn")
+    longest = max(n for row in config.lengths for n in row)
+    found["ragged stated"] = lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, is_causal=True, query_segment_ids=ids, max_segments=tight,
+        max_document_length=longest, implementation="cudnn")
     if config.run_dense:
         everything = jnp.ones((config.batch, 1, 1, config.seq), bool)
         found["dense ids"] = lambda q, k, v: jax_sdpa.dot_product_attention(
