@@ -6,12 +6,14 @@ Compiles one packed fwd+bwd step (benchmarks/packed.py's 8x1024 config, one call
 the packed path taken out, to see which part costs: every branch (as shipped); the ragged
 branches without the exact fallback (a stand-in that returns zeros: timing only, never run);
 the fallback with one ragged plan; the dense (non-packed) call for scale. With --trace, writes a
-jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls to DIR, and prints the
-GPU time per kernel name from it. With --time, times the fwd+bwd chains (interleaved rounds) of
-the shipped call, of the plan it picks for these documents alone with and without the
-lax.switch around it (the switch's predicate is read on the host before the branch can launch:
-the difference is that round trip's cost and the branch choice's kernels; without the switch
-nothing checks the ids, so that variant is for timing only), and of the per-document bound.
+jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls, of the same call with the
+documents' bound stated, and of the per-document bound to DIR, and prints the GPU time per kernel
+name from each. With --time, times the fwd+bwd chains (interleaved rounds) of the shipped call,
+of the plan it picks for these documents alone with and without the lax.switch around it (the
+switch's predicate is read on the host before the branch can launch: the difference is that
+round trip's cost and the branch choice's kernels; without the switch nothing checks the ids, so
+that variant is for timing only), of the call with the bound stated (max_document_length: one
+plan, no switch, checked by poisoning), and of the per-document bound.
 Variants patch module globals while they trace; `_patched` clears JAX's caches around them.
 """
 
@@ -164,6 +166,7 @@ def main(argv=None):
         timed_variants(config, ids, args.time)
     if args.trace:
         traced = {"packed": next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped"),
+                  "packed stated": _stated(config, ids),
                   "per-document bound": _per_document(config)}
         inputs = make_inputs(config, seed=0)
         for name, attention in traced.items():
