@@ -60,9 +60,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         every row's documents are contiguous runs of at most this many tokens, at most
         max_segments per row (and, with causal/window and kv_segment_ids, keys starting where
         their queries do) — what a packing data loader knows. cuDNN's ragged layout then runs
-        one plan sized by it, with no check on the device and no exact fallback (the check's
-        host round trip costs ~0.15 ms per fwd+bwd call, 2026-11-30, H200). A row that breaks
-        the statement is never silently wrong: its first query token's output and its
+        one plan of B × max_segments documents of up to this many tokens, with no check on the
+        device and no exact fallback (the check's host round trips cost ~0.15 ms per fwd+bwd
+        call, 2026-11-30, H200): state max_segments as tightly too, since every slot of the
+        plan costs (on cuDNN 9.28 its backward helpers scale with slots × bound). A row that
+        breaks the statement is never silently wrong: its first query token's output and its
         residual rows come back NaN (and the gradients' first token rows). Static. The
         reference path is exact either way.
       logits_soft_cap: a positive float or None: the scaled scores ``scale * Q K^T`` become
