@@ -120,3 +120,23 @@ def test_max_document_length_needs_segment_ids():
     with pytest.raises(ValueError, match="max_seqlen_kv needs max_seqlen_q"):
         jax_sdpa.varlen_attention(q[0], q[0], q[0], jnp.array([0, 8], jnp.int32),
                                   max_seqlen_kv=8)
+
+
+def test_stated_bound_under_vmap(emulated_cudnn):
+    ids = jnp.asarray(np.stack(ROWS["contiguous"]))
+    q, k, v, _ = qkv(23)
+    stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
+    both_ids = jnp.stack([ids, ids[::-1]])
+
+    def fn(implementation, **kwargs):
+        return jax.jit(jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+            q, k, v, query_segment_ids=ids, is_causal=True, implementation=implementation,
+            **kwargs).astype(jnp.float32)))
+    ours = fn("cudnn", max_document_length=48, max_segments=3)(*stacked, both_ids)
+    ref = fn("xla")(*(x.astype(jnp.float32) for x in stacked), both_ids)
+    assert relative_error(ours, ref) < 2e-2
+    broken = fn("cudnn", max_document_length=20, max_segments=3)(*stacked, both_ids)
+    broken = np.asarray(broken, np.float32)
+    # The one-document row (48 tokens) breaks it: row 1 of the first slice, row 0 of the second.
+    assert np.all(np.isnan(broken[0, 1, 0])) and np.all(np.isnan(broken[1, 0, 0]))
+    assert not np.any(np.isnan(broken[0, 0])) and not np.any(np.isnan(broken[1, 1]))
