@@ -156,9 +156,11 @@ def test_dropout_under_sharding_runs_per_shard(kernel):
 
 @pytest.mark.parametrize("kernel", ["xla", "cudnn-emulated", pytest.param(
     "cudnn", marks=pytest.mark.gpu)])
-def test_packed_rows_sharded_over_batch_run_per_device(kernel, monkeypatch):
+@pytest.mark.parametrize("stated", [False, True], ids=["checked", "stated_bound"])
+def test_packed_rows_sharded_over_batch_run_per_device(kernel, stated, monkeypatch):
     """Packed segment ids, rows sharded over the batch: each device builds its own rows'
-    document table and runs them, no collective (the device-side layout check included)."""
+    document table and runs them, no collective (the device-side layout check included; or
+    the documents' bound stated, with its per-row poisoning)."""
     if kernel == "cudnn-emulated":
         if planning.device_reason() is None:
             pytest.skip("a GPU is present: the real kernel runs instead")
@@ -174,9 +176,10 @@ def test_packed_rows_sharded_over_batch_run_per_device(kernel, monkeypatch):
 
     def step(q, k, v, d_out, ids):
         out, vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
-            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation),
-            q, k, v)
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation,
+            **stated_bound), q, k, v)
         return (out, *vjp(d_out))
+    stated_bound = dict(max_document_length=T // 4, max_segments=4) if stated else {}
     spec = NamedSharding(mesh, P("data"))
     args = (q, k, v, d_out, ids)
     text = jax.jit(step, in_shardings=(spec,) * 5).lower(*args).compile().as_text()
