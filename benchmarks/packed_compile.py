@@ -128,6 +128,11 @@ def timed_variants(config, ids, rounds):
     cases = [  # (name, attention, the patches active while it is traced)
         ("packed, as shipped", packed, []),
         ("packed, its plan + fallback, switch", packed, [_its_plan_only(config)]),
+        # Shipped 1.18x against 1.14-1.15x with its plan alone in the switch (2026-11-30): does
+        # a switch cost more with more branches? Four plans (2 bounds x 2 entry levels) here;
+        # 4x2048 picks the same plan from them (8x1024 does not: a 2048 bound).
+        ("packed, 4 plans + fallback, switch", packed,
+         [_patched(kernels, _LENGTH_FRACTIONS=(4, 1))]),
         ("packed, its plan, no switch", packed, [_its_plan_only(config), _without_switch()]),
         ("packed, stated bound", _stated(config, ids), []),
         ("per-document bound", _per_document(config), []),
