@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import jax_sdpa
 from jax_sdpa import kernels
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
-from benchmarks.packed import _per_document, configs, make_inputs, timed_functions
+from benchmarks.packed import _per_document, configs, make_inputs, stated, timed_functions
 from benchmarks.plans import ragged_layout
 from benchmarks.traces import events_line, launch_table
 
@@ -108,15 +108,6 @@ def _its_plan_only(config):
     return _patched(kernels, _plans=lambda *args: [(entries, (bound, bound))])
 
 
-def _stated(config, ids):
-    """The shipped call with the documents' bound stated (max_document_length): one plan, no
-    switch, nothing checked on the device."""
-    longest = max(n for row in config.lengths for n in row)
-    return lambda q, k, v: jax_sdpa.dot_product_attention(
-        q, k, v, is_causal=True, query_segment_ids=ids, max_segments=config.documents(),
-        max_document_length=longest, implementation="cudnn")
-
-
 def timed_variants(config, ids, rounds):
     """Prints the median ms per fwd+bwd call of each variant and its ratio to the bound."""
     from benchmarks.attention import interleaved_rounds  # noqa: PLC0415
@@ -134,7 +125,7 @@ def timed_variants(config, ids, rounds):
         ("packed, 4 plans + fallback, switch", packed,
          [_patched(kernels, _LENGTH_FRACTIONS=(4, 1))]),
         ("packed, its plan, no switch", packed, [_its_plan_only(config), _without_switch()]),
-        ("packed, stated bound", _stated(config, ids), []),
+        ("packed, stated bound", stated(config, ids), []),
         ("per-document bound", _per_document(config), []),
     ]
     inputs = make_inputs(config, seed=0)
@@ -171,7 +162,7 @@ def main(argv=None):
         timed_variants(config, ids, args.time)
     if args.trace:
         traced = {"packed": next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped"),
-                  "packed stated": _stated(config, ids),
+                  "packed stated": stated(config, ids),
                   "per-document bound": _per_document(config)}
         inputs = make_inputs(config, seed=0)
         for name, attention in traced.items():
