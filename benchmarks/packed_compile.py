@@ -1,6 +1,7 @@
 """Where a packed call's compile time goes, and what runs around its kernels.
 
-    python -m benchmarks.packed_compile [--config 8x1024] [--trace DIR] [--time ROUNDS]
+    python -m benchmarks.packed_compile [--config 8x1024 ...] [--trace DIR] [--time ROUNDS]
+                                        [--no-listing]
 
 Compiles one packed fwd+bwd step (benchmarks/packed.py's 8x1024 config, one call) with parts of
 the packed path taken out, to see which part costs: every branch (as shipped); the ragged
@@ -146,18 +147,26 @@ def timed_variants(config, ids, rounds):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="8x1024")
+    parser.add_argument("--config", action="append", default=None,
+                        help="a benchmarks/packed.py config (repeatable; default 8x1024)")
     parser.add_argument("--trace", default=None)
     parser.add_argument("--time", type=int, default=0, metavar="ROUNDS")
+    parser.add_argument("--no-listing", action="store_true",
+                        help="skip the compile-time listing (~15 s per variant on the H200)")
     args = parser.parse_args(argv)
-    config = next(c for c in configs() if c.name == args.config)
+    for name in args.config or ["8x1024"]:
+        run_config(next(c for c in configs() if c.name == name), args)
+
+
+def run_config(config, args):
     ids = jnp.asarray(config.segment_ids())
-    inputs = make_inputs(config, seed=0)[:1]
-    for name, attention, patch in variants(ids):
-        with patch:
-            lowering, compiling = compile_seconds(attention, inputs)
-            print(f"{config.name}, one fwd+bwd call, {name}: trace+lower {lowering:.2f} s, "
-                  f"XLA compile {compiling:.2f} s", flush=True)
+    if not args.no_listing:
+        inputs = make_inputs(config, seed=0)[:1]
+        for name, attention, patch in variants(ids):
+            with patch:
+                lowering, compiling = compile_seconds(attention, inputs)
+                print(f"{config.name}, one fwd+bwd call, {name}: trace+lower {lowering:.2f} s, "
+                      f"XLA compile {compiling:.2f} s", flush=True)
     if args.time:
         timed_variants(config, ids, args.time)
     if args.trace:
@@ -168,7 +177,7 @@ def main(argv=None):
         for name, attention in traced.items():
             step = timed_functions(attention)["fwd+bwd"]
             jax.block_until_ready(step(inputs))
-            directory = f"{args.trace}/{name.replace(' ', '-')}"
+            directory = f"{args.trace}/{config.name}/{name.replace(' ', '-')}"
             with jax.profiler.trace(directory, create_perfetto_trace=True):
                 for _ in range(3):
                     jax.block_until_ready(step(inputs))

@@ -17,9 +17,23 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 start=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
-  || { tail -40 "$out/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ -n "${PREBUILT:-}" ]; then
+  # The extensions a previous call built from the same ffi/ sources (SAVE_BUILD=1 sent them
+  # back under $OUT/ext): placed next to the sources, so the ~70 s build is skipped.
+  cp "$PREBUILT"/*.so jax_sdpa/ || exit 1
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "prebuilt extensions from $PREBUILT: $(ls "$PREBUILT")"
+else
+  python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+  if [ "${SAVE_BUILD:-0}" = "1" ]; then  # send the built extensions back (for PREBUILT)
+    mkdir -p "$out/ext"
+    for module in jax_sdpa._sdpa_ffi jax_sdpa._sdpa_devtools; do
+      cp "$(python3 -c "import importlib.util as u; print(u.find_spec('$module').origin)")" "$out/ext/"
+    done
+  fi
+fi
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
 status=${PIPESTATUS[0]}
