@@ -5,8 +5,9 @@
 The GPU machine has no registry access and one device call carries at most 64 MiB, so another
 cuDNN (e.g. 9.28, what a fresh install gets) travels as `lib*.so.9.zst` files spread over
 several folders under one ignored directory (`.cudnn/p1`, `.cudnn/p2`, ...; made by
-scripts/pack_cudnn_parts.py from a venv that has the wheel). This decompresses every one of them over
-the files in `nvidia/cudnn/lib` of the running Python (the machine is discarded afterwards), so
+scripts/pack_cudnn_parts.py from a venv that has the wheel; its headers in the last folder's
+`include/`). This decompresses every one of them over the files in `nvidia/cudnn/lib` (and copies
+the headers over `nvidia/cudnn/include`) of the running Python (the machine is discarded afterwards), so
 both jaxlib and jax_sdpa load it. Needs the `zstandard` package (carry its cp312 wheel in one
 of the folders: it is installed from there). Recipe: shared/DEVICE.md, docs/DEVELOPING.md.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -46,6 +48,13 @@ def main(root):
         with open(path, "rb") as source, open(os.path.join(target, name), "wb") as out:
             decompressor.copy_stream(source, out)
         print(f"{name}: {os.path.getsize(os.path.join(target, name)) / 2**20:.0f} MiB -> {target}")
+    # Its headers over the machine's, so an extension built afterwards compiles against the
+    # version it loads (the frontend checks features against the lower of the two).
+    headers = glob.glob(os.path.join(root, "**", "include", "*.h"), recursive=True)
+    include = os.path.join(os.path.dirname(target), "include")
+    for path in headers:
+        shutil.copy(path, include)
+    print(f"{len(headers)} headers -> {include}")
 
 
 if __name__ == "__main__":

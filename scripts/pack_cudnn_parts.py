@@ -6,7 +6,7 @@ Compresses the libraries SDPA needs (`zstd --long=27`, level 12, or 19 where 12 
 past one call's carry) from DIR (default: this Python's nvidia/cudnn/lib, e.g. a venv with
 `nvidia-cudnn-cu13==9.28.*`) and spreads them over OUT/p1, OUT/p2, ... of at most 63 MiB each
 (a call carries 64 MiB in all: .whl/, ~28 MiB, goes with whichever part leaves room, or alone).
-Carry the parts in consecutive calls less than ~30 s apart, then run
+The headers go with the last part. Carry the parts in consecutive calls less than ~30 s apart, then run
 scripts/install_carried_cudnn.py there (docs/DEVELOPING.md). Needs the `zstd` program here.
 """
 
@@ -75,6 +75,11 @@ def main(argv=None):
             shutil.copy(path, directory)
         print(f"{directory}: {part['bytes'] / 2**20:.1f} MiB, "
               f"{', '.join(os.path.basename(f) for f in part['files'])}")
+    # The headers too (~1.2 MiB, in the last, smallest part): the frontend's support checks take
+    # the lower of the compiled and the loaded cuDNN version, so a build against the machine's
+    # own headers sees the old version (frontend 1.32's unified SDPA refused 9.28 that way).
+    headers = os.path.join(args.lib, os.pardir, "include")
+    shutil.copytree(headers, os.path.join(directory, "include"), dirs_exist_ok=True)
     shutil.rmtree(staging)
 
 
