@@ -3,7 +3,8 @@
 # extension with the machine's own Python, run the whole test suite, then the benchmark.
 #   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark; PACKED=1 adds
 #   the packed-rows benchmark, benchmarks/packed.py; MULTIPROCESS=1 the one-process-per-GPU
-#   check, scripts/multiprocess_check.py)
+#   check, scripts/multiprocess_check.py; SAVE_BUILD=1 sends the built extensions back under
+#   $OUT/ext, and PREBUILT=dir uses such a folder instead of building)
 # Carried wheels live in .whl/ (see docs/DEVELOPING.md); logs go to $OUT when it is set.
 set -uo pipefail
 out="${OUT:-/tmp/jax_sdpa_out}"
@@ -30,7 +31,8 @@ else
   if [ "${SAVE_BUILD:-0}" = "1" ]; then  # send the built extensions back (for PREBUILT)
     mkdir -p "$out/ext"
     for module in jax_sdpa._sdpa_ffi jax_sdpa._sdpa_devtools; do
-      cp "$(python3 -c "import importlib.util as u; print(u.find_spec('$module').origin)")" "$out/ext/"
+      origin=$(python3 -c "import importlib.util as u; print(u.find_spec('$module').origin)")
+      cp "$origin" "$out/ext/"
     done
   fi
 fi

@@ -6,10 +6,11 @@ The GPU machine has no registry access and one device call carries at most 64 Mi
 cuDNN (e.g. 9.28, what a fresh install gets) travels as `lib*.so.9.zst` files spread over
 several folders under one ignored directory (`.cudnn/p1`, `.cudnn/p2`, ...; made by
 scripts/pack_cudnn_parts.py from a venv that has the wheel; its headers in the last folder's
-`include/`). This decompresses every one of them over the files in `nvidia/cudnn/lib` (and copies
-the headers over `nvidia/cudnn/include`) of the running Python (the machine is discarded afterwards), so
-both jaxlib and jax_sdpa load it. Needs the `zstandard` package (carry its cp312 wheel in one
-of the folders: it is installed from there). Recipe: shared/DEVICE.md, docs/DEVELOPING.md.
+`include/`). This decompresses every one of them over the files in `nvidia/cudnn/lib` of the
+running Python and copies the headers over `nvidia/cudnn/include` (the machine is discarded
+afterwards), so jaxlib and jax_sdpa load it and a build afterwards compiles against it. Needs
+the `zstandard` package (carry its cp312 wheel in one of the folders: it is installed from
+there). Recipe: shared/DEVICE.md, docs/DEVELOPING.md.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Compresses the libraries SDPA needs (`zstd --long=27`, level 12, or 19 where 12 
 past one call's carry) from DIR (default: this Python's nvidia/cudnn/lib, e.g. a venv with
 `nvidia-cudnn-cu13==9.28.*`) and spreads them over OUT/p1, OUT/p2, ... of at most 63 MiB each
 (a call carries 64 MiB in all: .whl/, ~28 MiB, goes with whichever part leaves room, or alone).
-The headers go with the last part. Carry the parts in consecutive calls less than ~30 s apart, then run
-scripts/install_carried_cudnn.py there (docs/DEVELOPING.md). Needs the `zstd` program here.
+The headers go with the last part. Carry the parts in consecutive calls less than ~30 s apart,
+then run scripts/install_carried_cudnn.py there (docs/DEVELOPING.md). Needs the `zstd` program here.
 """
 
 from __future__ import annotations
