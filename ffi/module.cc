@@ -3,9 +3,13 @@
 // graph cache's counters. Benchmark-only tools live in the separate devtools module.
 #include <cudnn.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -72,6 +76,20 @@ NB_MODULE(_sdpa_ffi, m) {
         "cuDNN version the extension was compiled against.");
   m.def("attribute_names", &jax_sdpa::HandlerAttributeNames,
         "The attribute names the handlers decode (jax_sdpa/kernel_config.py must send these).");
+  m.def(
+      "workspace_bytes",
+      [](bool backward, int32_t device, const std::vector<std::pair<std::string,
+                                                                    std::vector<int64_t>>>& shapes,
+         const std::map<std::string, double>& attributes) {
+        std::vector<jax_sdpa::OperandShape> operands;
+        for (const auto& [dtype, dims] : shapes) operands.push_back({dtype, dims});
+        auto bytes = jax_sdpa::PlannedWorkspaceBytes(backward, device, operands, attributes);
+        if (!bytes.has_value()) throw std::runtime_error(bytes.error().message());
+        return *bytes;
+      },
+      nb::arg("backward"), nb::arg("device"), nb::arg("operands"), nb::arg("attributes"),
+      "The cuDNN workspace (bytes) of a call: operands as (dtype name, dims) in the handler's "
+      "order, attributes by name. Builds the call's graph on `device` (or finds it cached).");
   m.def("graph_cache_stats", []() {
     jax_sdpa::GraphCacheStats stats = jax_sdpa::GraphCache::Global().stats();
     nb::dict result;

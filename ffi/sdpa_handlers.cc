@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "call_state.h"
@@ -34,7 +36,8 @@
   SEP X(float, dropout)                                                              \
   SEP X(bool, zero_outputs) /* elements no document or length covers stay zero */    \
   SEP X(int64_t, debug)     /* DebugFlags */                                         \
-  SEP X(bool, command_buffer) /* the call owns its workspace */
+  SEP X(bool, command_buffer) /* recorded into command buffers: see PrepareCall */     \
+  SEP X(bool, workspace_result) /* the last result is the call's cuDNN workspace */
 
 #define JAX_SDPA_FIELD(type, name) type name;
 #define JAX_SDPA_DECODE(type, name) ::xla::ffi::StructMember<type>(#name)
@@ -51,7 +54,9 @@ struct Options {
 
 // Bits of the `debug` attribute (tests only).
 enum DebugFlags : int64_t {
-  kPoisonOutputs = 1,  // NaN-fill outputs before cuDNN runs, to prove every element is written
+  // NaN-fill outputs before cuDNN runs, to prove every element is written, and the workspace,
+  // to prove cuDNN initialises what it reads there.
+  kPoisonOutputs = 1,
 };
 
 std::string DimsToString(ffi::Span<const int64_t> dims) {
@@ -107,19 +112,22 @@ struct CallPlan {
   OptionalInputs optional;
 };
 
-ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
-                                                const Options& options) {
+// Reads the optional operands from `count` buffers, `get(i)` returning the i-th (an
+// ffi::ErrorOr<ffi::AnyBuffer>): from XLA's remaining arguments, or from shapes Python describes
+// when it plans a call (PlannedWorkspaceBytes).
+template <typename Get>
+ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get, const Options& options) {
   bool has_dropout = options.dropout > 0;
   size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
                     (options.ragged ? 1 : 0) + (options.paged ? 1 : 0) + (has_dropout ? 1 : 0);
-  if (rest.size() != expected) {
+  if (count != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
-                                   " optional operands, got " + std::to_string(rest.size()))};
+                                   " optional operands, got " + std::to_string(count))};
   }
   OptionalInputs inputs;
   size_t index = 0;
   auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> ffi::Error {
-    auto buffer = rest.get<ffi::AnyBuffer>(index++);
+    ffi::ErrorOr<ffi::AnyBuffer> buffer = get(index++);
     if (!buffer.has_value()) return buffer.error();
     *slot = *buffer;
     return ffi::Error::Success();
@@ -135,6 +143,12 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
   return inputs;
 }
 
+ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
+                                                const Options& options) {
+  return ReadOptionalInputs(
+      rest.size(), [&](size_t i) { return rest.get<ffi::AnyBuffer>(i); }, options);
+}
+
 int64_t QueryTokens(const SdpaConfig& c) {
   return c.ragged ? c.total_q_tokens : c.batch * c.q_seq_len;
 }
@@ -142,9 +156,9 @@ int64_t QueryTokens(const SdpaConfig& c) {
 // Reads the operands into a graph config; every shape is checked here, before cuDNN sees it.
 ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                const ffi::RemainingArgs& rest, const Options& options) {
+                                OptionalInputs optional_inputs, const Options& options) {
   CallPlan plan;
-  JAX_SDPA_ASSIGN_OR_RETURN(plan.optional, ReadOptionalInputs(rest, options));
+  plan.optional = std::move(optional_inputs);
   const OptionalInputs& optional = plan.optional;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
@@ -278,9 +292,9 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
 // ragged layout or vmapped axes (Python sends none).
 ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
                                      const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                     const ffi::RemainingArgs& rest, const Options& options) {
+                                     OptionalInputs optional, const Options& options) {
   CallPlan plan;
-  JAX_SDPA_ASSIGN_OR_RETURN(plan.optional, ReadOptionalInputs(rest, options));
+  plan.optional = std::move(optional);
   if (!options.has_lengths || options.ragged || options.has_bias || options.dropout > 0) {
     return Failure{InvalidArgument("a paged call takes lengths and a page table, and no bias, "
                                    "dropout or ragged layout")};
@@ -383,11 +397,16 @@ struct PreparedCall {
 };
 
 // Finds the call's graph (in its executable's state, else the cache, else builds it) and its
-// workspace. In a command buffer the call's kernels replay after this call returns, so the
-// workspace must outlive it: the call's own (call_state.h).
+// workspace: the one XLA allocated as the call's last result when Python sized it while
+// planning the call (PlannedWorkspaceBytes), which XLA reuses like any temporary and orders
+// like any buffer, in a command buffer too. Without one (no GPU while planning, or a graph
+// needing more than planned), per-call scratch; but a call recorded into a command buffer
+// replays after it returns, so it takes its own workspace for the executable's life
+// (call_state.h).
 ffi::ErrorOr<PreparedCall> PrepareCall(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                                        CallState& state, const SdpaConfig& config,
-                                       const Options& options) {
+                                       const Options& options,
+                                       const std::optional<ffi::AnyBuffer>& given_workspace) {
   JAX_SDPA_ASSIGN_OR_RETURN(BorrowedCudnnHandle handle,
                             BorrowedCudnnHandle::Borrow(config.device, stream));
   PreparedCall prepared{std::move(handle), nullptr, nullptr};
@@ -400,12 +419,44 @@ ffi::ErrorOr<PreparedCall> PrepareCall(cudaStream_t stream, ffi::ScratchAllocato
     JAX_SDPA_ASSIGN_OR_RETURN(prepared.graph, cache.GetOrBuild(config, prepared.handle.get()));
     state.Remember(prepared.graph);
   }
-  if (options.command_buffer) {
+  int64_t needed = prepared.graph->workspace_size();
+  if (needed == 0) return prepared;
+  if (given_workspace && static_cast<int64_t>(given_workspace->size_bytes()) >= needed) {
+    prepared.workspace = given_workspace->untyped_data();
+  } else if (options.command_buffer) {
     JAX_SDPA_RETURN_IF_ERROR(state.OwnWorkspace(*prepared.graph, &prepared.workspace));
   } else {
     JAX_SDPA_ASSIGN_OR_RETURN(prepared.workspace, AllocateWorkspace(scratch, *prepared.graph));
   }
+  if (options.debug & kPoisonOutputs) {  // the answer must not depend on what it held before
+    JAX_SDPA_CUDA_CHECK(
+        cudaMemsetAsync(prepared.workspace, 0xFF, static_cast<size_t>(needed), stream));
+  }
   return prepared;
+}
+
+// The call's plan from its operands: a paged forward or any other.
+ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
+                                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                   OptionalInputs optional, const Options& options) {
+  if (options.paged) {
+    if (direction == Direction::kBackward) {
+      return Failure{InvalidArgument("paged attention has no backward")};
+    }
+    return PlanPagedCall(device, q, k, v, std::move(optional), options);
+  }
+  return PlanCall(direction, device, q, k, v, std::move(optional), options);
+}
+
+// The workspace XLA allocated as the call's result `index` among the remaining ones, if the
+// call has one.
+ffi::ErrorOr<std::optional<ffi::AnyBuffer>> GivenWorkspace(ffi::RemainingRets& extra,
+                                                           size_t index,
+                                                           const Options& options) {
+  if (!options.workspace_result) return std::optional<ffi::AnyBuffer>();
+  auto result = extra.get<ffi::AnyBuffer>(index);
+  if (!result.has_value()) return Failure{result.error()};
+  return std::optional<ffi::AnyBuffer>(**result);
 }
 
 // Pointer to the r-th of `repeats` equal slices of a buffer.
@@ -442,18 +493,21 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
 ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> stats, Options options) {
+                       ffi::Result<ffi::AnyBuffer> stats, ffi::RemainingRets extra_results,
+                       Options options) {
   try {
-    JAX_SDPA_ASSIGN_OR_RETURN(
-        CallPlan plan, options.paged
-                           ? PlanPagedCall(device, q, k, v, rest, options)
-                           : PlanCall(Direction::kForward, device, q, k, v, rest, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(OptionalInputs optional, ReadOptionalInputs(rest, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan, PlanAnyCall(Direction::kForward, device, q, k, v,
+                                                         std::move(optional), options));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
     JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *o));
     JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *stats));
-    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call, PrepareCall(stream, scratch, *state, c, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
+                              GivenWorkspace(extra_results, 0, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
+                              PrepareCall(stream, scratch, *state, c, options, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       ForwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, plan, r);
@@ -475,9 +529,9 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::RemainingRets extra_results, Options options) {
   try {
-    if (options.paged) return InvalidArgument("paged attention has no backward");
-    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
-                              PlanCall(Direction::kBackward, device, q, k, v, rest, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(OptionalInputs optional, ReadOptionalInputs(rest, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan, PlanAnyCall(Direction::kBackward, device, q, k, v,
+                                                         std::move(optional), options));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(
@@ -502,7 +556,10 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
       JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, out));
     }
-    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call, PrepareCall(stream, scratch, *state, c, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
+                              GivenWorkspace(extra_results, dbias ? 1 : 0, options));
+    JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
+                              PrepareCall(stream, scratch, *state, c, options, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       BackwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, plan, r);
@@ -535,6 +592,80 @@ std::vector<std::string> HandlerAttributeNames() {
   return {JAX_SDPA_ATTRIBUTES(JAX_SDPA_NAME, JAX_SDPA_COMMA)};
 }
 
+namespace {
+
+// Options from Python's attribute values by name (each held exactly by a double: bools, small
+// integers, float32 values); every attribute must be there.
+ffi::ErrorOr<Options> OptionsFromValues(const std::map<std::string, double>& values) {
+  Options options;
+#define JAX_SDPA_FROM_VALUE(type, name)                                              \
+  {                                                                                  \
+    auto found = values.find(#name);                                                 \
+    if (found == values.end()) {                                                     \
+      return Failure{InvalidArgument("the attribute " #name " is missing")};         \
+    }                                                                                \
+    options.name = static_cast<type>(found->second);                                 \
+  }
+  JAX_SDPA_ATTRIBUTES(JAX_SDPA_FROM_VALUE, JAX_SDPA_NOTHING)
+#undef JAX_SDPA_FROM_VALUE
+  return options;
+}
+
+ffi::ErrorOr<ffi::DataType> DataTypeNamed(const std::string& name) {
+  static const std::map<std::string, ffi::DataType> kTypes = {
+      {"float16", ffi::DataType::F16}, {"bfloat16", ffi::DataType::BF16},
+      {"float32", ffi::DataType::F32}, {"int32", ffi::DataType::S32},
+      {"uint32", ffi::DataType::U32},
+  };
+  auto found = kTypes.find(name);
+  if (found == kTypes.end()) return Failure{InvalidArgument("no operand is of dtype " + name)};
+  return found->second;
+}
+
+}  // namespace
+
+ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(bool backward, int32_t device,
+                                            const std::vector<OperandShape>& operands,
+                                            const std::map<std::string, double>& attributes) {
+  try {
+    JAX_SDPA_ASSIGN_OR_RETURN(Options options, OptionsFromValues(attributes));
+    size_t fixed = backward ? 6 : 3;  // q, k, v (and o, stats, d_o)
+    if (operands.size() < fixed) {
+      return Failure{InvalidArgument("expected at least " + std::to_string(fixed) +
+                                     " operands, got " + std::to_string(operands.size()))};
+    }
+    // Buffers without data: planning reads only dtypes and dims.
+    std::vector<XLA_FFI_Buffer> described(operands.size());
+    for (size_t i = 0; i < operands.size(); ++i) {
+      JAX_SDPA_ASSIGN_OR_RETURN(ffi::DataType type, DataTypeNamed(operands[i].dtype));
+      described[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
+                                    static_cast<XLA_FFI_DataType>(type), nullptr,
+                                    static_cast<int64_t>(operands[i].dims.size()),
+                                    const_cast<int64_t*>(operands[i].dims.data())};
+    }
+    auto buffer = [&](size_t i) { return ffi::AnyBuffer(&described[i]); };
+    JAX_SDPA_ASSIGN_OR_RETURN(
+        OptionalInputs optional,
+        ReadOptionalInputs(
+            operands.size() - fixed,
+            [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> { return buffer(fixed + i); },
+            options));
+    Direction direction = backward ? Direction::kBackward : Direction::kForward;
+    JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
+                              PlanAnyCall(direction, device, buffer(0), buffer(1), buffer(2),
+                                          std::move(optional), options));
+    ScopedDevice scoped(device);
+    JAX_SDPA_CUDA_CHECK(scoped.status());
+    JAX_SDPA_ASSIGN_OR_RETURN(BorrowedCudnnHandle handle,
+                              BorrowedCudnnHandle::Borrow(device, nullptr));
+    JAX_SDPA_ASSIGN_OR_RETURN(std::shared_ptr<SdpaGraph> graph,
+                              GraphCache::Global().GetOrBuild(plan.config, handle.get()));
+    return graph->workspace_size();
+  } catch (const std::exception& e) {
+    return Failure{ffi::Error::Internal(std::string("jax_sdpa planning: ") + e.what())};
+  }
+}
+
 // Every call's context and fixed inputs; the backward adds o, stats and d_o.
 auto AttentionBinding() {
   return ffi::Ffi::Bind()
@@ -552,6 +683,7 @@ auto ForwardBinding() {
       .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [page_table], [seed]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
+      .RemainingRets()        // [workspace]
       .Attrs<Options>();
 }
 
@@ -564,7 +696,7 @@ auto BackwardBinding() {
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv
-      .RemainingRets()        // [dbias]
+      .RemainingRets()        // [dbias], [workspace]
       .Attrs<Options>();
 }
 

@@ -13,12 +13,18 @@ import jax.numpy as jnp
 
 
 
+COMMAND_BUFFERS_VARIABLE = "JAX_SDPA_COMMAND_BUFFERS"
+COMMAND_BUFFERS_BY_DEFAULT = False
+
+
 def command_buffers() -> bool:
-    """JAX_SDPA_COMMAND_BUFFERS=1: our calls use the FFI targets XLA may record into its command
-    buffers (CUDA graphs); read when a call is traced. Each call of an executable then owns its
-    cuDNN workspace for the executable's life (ffi/call_state.h) instead of taking scratch
-    memory from XLA per call."""
-    return os.environ.get("JAX_SDPA_COMMAND_BUFFERS", "") == "1"
+    """Whether our calls use the FFI targets XLA may record into its command buffers (CUDA
+    graphs): JAX_SDPA_COMMAND_BUFFERS=1 on, =0 off, unset COMMAND_BUFFERS_BY_DEFAULT; read when
+    a call is traced."""
+    text = os.environ.get(COMMAND_BUFFERS_VARIABLE, "")
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{COMMAND_BUFFERS_VARIABLE} must be 0 or 1, got {text!r}")
+    return COMMAND_BUFFERS_BY_DEFAULT if not text else text == "1"
 
 
 GRAPH_CACHE_SIZE_VARIABLE = "JAX_SDPA_GRAPH_CACHE_SIZE"
@@ -167,6 +173,51 @@ def _optional_operands(inputs, ragged_operands, config):
     return operands
 
 
+def _gpu_ordinal() -> int | None:
+    """CUDA ordinal of this process's first GPU; None without one (lowering for CUDA on a
+    CPU-only host, jax.export)."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    return devices[0].local_hardware_id if devices else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
+    try:
+        return int(extension().workspace_bytes(backward, device, list(operands),
+                                               dict(attributes)))
+    except RuntimeError:
+        # The graph does not build (cuDNN refuses the config): the call itself reports that,
+        # with cuDNN's message, when it runs, as it does for a call planned without a GPU.
+        return 0
+
+
+def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method):
+    """ffi_call of our target with the call's cuDNN workspace as one more result, a uint8 buffer
+    XLA allocates: XLA reuses that memory like any temporary, and orders it like any buffer
+    inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
+    from the call's graph, built here (on this process's first GPU) and cached for the call;
+    without a GPU, or a graph that needs none, the handler takes scratch memory per call
+    instead. Returns the call's other results."""
+    attributes = dict(attributes, workspace_result=False)
+    device = _gpu_ordinal()
+    workspace = 0
+    if device is not None:
+        described = tuple((jnp.dtype(x.dtype).name, tuple(int(d) for d in x.shape))
+                          for x in operands)
+        values = tuple(sorted((name, float(value)) for name, value in attributes.items()))
+        workspace = _planned_workspace_bytes(role == "backward", device, described, values)
+    if workspace > 0:
+        attributes["workspace_result"] = True
+        result_types = (*result_types, jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    call = jax.ffi.ffi_call(_target(role, config), tuple(result_types),
+                            vmap_method=vmap_method)
+    results = call(*operands, **attributes)
+    return _varying_like(results[:len(results) - (workspace > 0)], operands)
+
+
 def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
     """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
@@ -185,14 +236,13 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
         jax.ShapeDtypeStruct((*batch, q_seq_len, q_heads, value.shape[-1]), query.dtype),
         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
     )
-    # broadcast_all: under vmap every operand gains the same leading axes, which the handler
-    # folds into the batch.
-    call = jax.ffi.ffi_call(_target("forward", config), result_types,
-                            vmap_method="broadcast_all")
     operands = (query, key, value, *_optional_operands(inputs, ragged_operands, config))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
                                        max_document=max_document)
-    return _varying_like(call(*operands, **attributes), operands)
+    # broadcast_all: under vmap every operand gains the same leading axes, which the handler
+    # folds into the batch.
+    return _call_with_workspace("forward", config, result_types, operands, attributes,
+                                "broadcast_all")
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
@@ -204,13 +254,12 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     with_dbias = config.has_bias and config.bias_grad
     if with_dbias:
         result_types.append(jax.ShapeDtypeStruct(inputs["bias"].shape, inputs["bias"].dtype))
-    call = jax.ffi.ffi_call(_target("backward", config), tuple(result_types),
-                            vmap_method="broadcast_all")
     operands = (query, key, value, output, stats, d_output.astype(output.dtype),
                 *_optional_operands(inputs, ragged_operands, config))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
                                        max_document=max_document)
-    results = _varying_like(call(*operands, **attributes), operands)
+    results = _call_with_workspace("backward", config, result_types, operands, attributes,
+                                   "broadcast_all")
     return (*results[:3], results[3] if with_dbias else None)
 
 
@@ -226,8 +275,7 @@ def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, pag
         jax.ShapeDtypeStruct((batch, q_seq_len, q_heads, value_cache.shape[-1]), query.dtype),
         jax.ShapeDtypeStruct((batch, q_heads, q_seq_len), jnp.float32),
     )
-    # The handler takes one problem: under vmap, one call per element.
-    call = jax.ffi.ffi_call(_target("forward", config), result_types,
-                            vmap_method="sequential")
     operands = (query, key_cache, value_cache, q_lengths, kv_lengths, page_table)
-    return _varying_like(call(*operands, **config.ffi_attributes(paged=True)), operands)
+    # The handler takes one problem: under vmap, one call per element.
+    return _call_with_workspace("forward", config, result_types, operands,
+                                config.ffi_attributes(paged=True), "sequential")

@@ -17,7 +17,8 @@ def flags() -> int:
 @contextlib.contextmanager
 def poison_outputs():
     """Calls traced inside this block NaN-fill their outputs before cuDNN writes them, so a
-    test can prove every element is written."""
+    test can prove every element is written, and fill their cuDNN workspace with the same
+    bytes, so it can prove nothing read there is left from before."""
     global _flags
     previous = _flags
     _flags |= DEBUG_POISON_OUTPUTS

@@ -18,7 +18,7 @@ INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment
           "kv_segment_ids", "dropout_seed", "sinks")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 
-DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs before the kernel writes them
+DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs (and the workspace) before the kernel runs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,3 +84,11 @@ def target(role):
     from jax_sdpa import _ffi  # noqa: PLC0415
 
     return _ffi.target_names()[role]
+
+
+def lowered_target(role):
+    """The target a call of this role lowers to in this run's mode: the command-buffer twin
+    when command buffers are on (JAX_SDPA_COMMAND_BUFFERS, a way to run the suite)."""
+    from jax_sdpa import _ffi  # noqa: PLC0415
+
+    return target(role + ("_command_buffer" if _ffi.command_buffers() else ""))

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, debug
-from conftest import relative_error, target
+from jax_sdpa import debug
+from conftest import lowered_target, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -89,9 +89,7 @@ def test_paged_lowers_to_our_forward_and_soft_cap_takes_the_reference():
     text = jax.jit(lambda *a: jax_sdpa.paged_attention(*a, implementation="cudnn")).lower(
         *arrays).as_text()
     assert "cudnn$fmha" not in text
-    # JAX_SDPA_COMMAND_BUFFERS=1 (a way to run the suite) lowers to the forward's twin target.
-    forward = target("forward_command_buffer" if _ffi.command_buffers() else "forward")
-    assert forward in set(re.findall(r"custom_call @([\w$]+)", text))
+    assert lowered_target("forward") in set(re.findall(r"custom_call @([\w$]+)", text))
     assert "paged = true" in text
     with pytest.raises(NotImplementedError, match="logits_soft_cap"):
         jax_sdpa.paged_attention(*arrays, logits_soft_cap=30.0, implementation="cudnn")

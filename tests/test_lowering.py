@@ -10,9 +10,9 @@ import pytest
 from jax_sdpa import _ffi
 import jax_sdpa
 from jax_sdpa.kernel_config import KernelConfig
-from conftest import kernel_attention, target
+from conftest import kernel_attention, lowered_target, target
 
-FORWARD, BACKWARD = target("forward"), target("backward")
+FORWARD, BACKWARD = lowered_target("forward"), lowered_target("backward")
 
 
 def test_extension_loads_and_reports_cudnn():
@@ -169,10 +169,10 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     assert {FORWARD, BACKWARD} <= custom_calls(grad, x, x, x)
 
 
-def test_command_buffer_targets_are_opt_in(monkeypatch):
+def test_command_buffer_targets_follow_the_variable(monkeypatch):
     """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers to the command-buffer
-    compatible twins of our targets, with the command_buffer attribute set; the default does
-    not."""
+    compatible twins of our targets, =0 to the plain ones, unset to the default's; anything
+    else is refused by name."""
     monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
 
@@ -180,10 +180,18 @@ def test_command_buffer_targets_are_opt_in(monkeypatch):
         return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum(),
             argnums=(0, 1, 2))
-    assert {FORWARD, BACKWARD} <= custom_calls(grad(), q, q, q)
-    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
+    plain = {target("forward"), target("backward")}
     buffered = {target("forward_command_buffer"), target("backward_command_buffer")}
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "0")
+    assert plain <= custom_calls(grad(), q, q, q)
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
     assert buffered <= custom_calls(grad(), q, q, q)
+    monkeypatch.delenv("JAX_SDPA_COMMAND_BUFFERS")
+    default = buffered if _ffi.COMMAND_BUFFERS_BY_DEFAULT else plain
+    assert default <= custom_calls(grad(), q, q, q)
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "yes")
+    with pytest.raises(ValueError, match="JAX_SDPA_COMMAND_BUFFERS must be 0 or 1"):
+        custom_calls(grad(), q, q, q)
 
 
 @pytest.mark.parametrize("transform", ["plain", "vmap"])
@@ -206,3 +214,48 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
     assert "cudnn$fmha" not in text
     assert backend_config(text, FORWARD) == set(_ffi.extension().attribute_names())
     assert "paged = true" in text
+
+
+def planner_attributes(**changes):
+    """A plain call's attributes as workspace_bytes takes them (numbers by name)."""
+    attributes = dict(KernelConfig(0.125).ffi_attributes(), workspace_result=False, **changes)
+    return {name: float(value) for name, value in attributes.items()}
+
+
+def test_workspace_planner_refuses_what_the_handlers_refuse():
+    """The extension's workspace planner (what sizes a call's workspace result) checks the
+    operands Python describes as the handlers check buffers, before any GPU is touched."""
+    planner = _ffi.extension().workspace_bytes
+    q = ("bfloat16", [2, 64, 4, 64])
+    lengths = ("int32", [2])
+    missing = planner_attributes()
+    del missing["scale"]
+    with pytest.raises(RuntimeError, match="the attribute scale is missing"):
+        planner(False, 0, [q, q, q], missing)
+    with pytest.raises(RuntimeError, match="no operand is of dtype float64"):
+        planner(False, 0, [("float64", [2, 64, 4, 64]), q, q], planner_attributes())
+    with pytest.raises(RuntimeError, match="do not form one attention problem"):
+        planner(False, 0, [q, ("bfloat16", [2, 64, 4, 32]), q], planner_attributes())
+    with pytest.raises(RuntimeError, match="expected 2 optional operands, got 0"):
+        planner(False, 0, [q, q, q], planner_attributes(has_lengths=True))
+    with pytest.raises(RuntimeError, match="sequence lengths must be int32"):
+        planner(False, 0, [q, q, q, lengths, ("int32", [3])], planner_attributes(has_lengths=True))
+    with pytest.raises(RuntimeError, match="expected at least 6 operands"):
+        planner(True, 0, [q, q, q], planner_attributes())
+    with pytest.raises(RuntimeError, match="paged attention has no backward"):
+        planner(True, 0, [q] * 6 + [lengths, lengths, ("int32", [2, 4])],
+                planner_attributes(paged=True, has_lengths=True))
+
+
+def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch):
+    """Lowering for CUDA where no GPU can size the workspace (CI, jax.export on a CPU host):
+    no uint8 result; the handlers then take scratch memory per call."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    monkeypatch.setattr(_ffi, "_gpu_ordinal", lambda: None)
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum())
+    text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @jax_sdpa" in line]
+    assert len(calls) == 2 and all("workspace_result = false" in line for line in calls)
+    assert not any("xui8>" in line for line in calls)
