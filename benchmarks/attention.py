@@ -141,7 +141,8 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--label", default="", help="appended to the header, e.g. XLA flags")
     parser.add_argument("--command-buffers", action="store_true",
-                        help="also time jax_sdpa with JAX_SDPA_COMMAND_BUFFERS=1")
+                        help="also time jax_sdpa with JAX_SDPA_COMMAND_BUFFERS=1 (every call "
+                             "recorded) and =0 (none)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the S=32k peak-memory comparison")
     args = parser.parse_args(argv)

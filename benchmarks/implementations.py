@@ -9,10 +9,11 @@ import jax_sdpa
 
 
 @contextlib.contextmanager
-def _command_buffers():
-    """Traces inside pick jax_sdpa's command-buffer compatible targets (experimental)."""
+def _command_buffers(value):
+    """Traces inside use jax_sdpa's command-buffer targets for every call ("1") or none ("0");
+    outside, each call by its work (the default)."""
     previous = os.environ.get("JAX_SDPA_COMMAND_BUFFERS")
-    os.environ["JAX_SDPA_COMMAND_BUFFERS"] = "1"
+    os.environ["JAX_SDPA_COMMAND_BUFFERS"] = value
     try:
         yield
     finally:
@@ -33,16 +34,19 @@ def _jax_sdpa(q, k, v, causal):
     return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-def _jax_sdpa_command_buffers(q, k, v, causal):
-    with _command_buffers():
-        return _jax_sdpa(q, k, v, causal)
+def _jax_sdpa_in_mode(value):
+    def attention(q, k, v, causal):
+        with _command_buffers(value):
+            return _jax_sdpa(q, k, v, causal)
+    return attention
 
 
 def available(config, command_buffers=False):
     """{name: function} of the implementations that can run `config` here."""
     found = {"jax_sdpa": _jax_sdpa, "jax.nn cudnn": _jax_nn("cudnn")}
-    if command_buffers:
-        found["jax_sdpa cmdbuf"] = _jax_sdpa_command_buffers
+    if command_buffers:  # both forced modes next to the default's choice
+        found["jax_sdpa cmdbuf"] = _jax_sdpa_in_mode("1")
+        found["jax_sdpa plain"] = _jax_sdpa_in_mode("0")
     try:
         from flash_attn3_jax import flash_mha  # noqa: PLC0415 - optional peer
     except ImportError:

@@ -14,17 +14,37 @@ import jax.numpy as jnp
 
 
 COMMAND_BUFFERS_VARIABLE = "JAX_SDPA_COMMAND_BUFFERS"
-COMMAND_BUFFERS_BY_DEFAULT = False
+# By default a call is recorded into XLA's command buffers (CUDA graphs) when its work is at
+# most this many FLOPs (2 * query rows * keys * (H + Hv), masks ignored): ~0.1 ms of kernel time
+# or less on an H200, where launching and dispatching cost a measurable share. Larger calls
+# stay out: benchmarks.attention measured d256-s4k-causal and d128-s4k-full fwd+bwd 6-10% slower
+# recorded (sixth and ninth sessions), and the others no faster (docs/PERFORMANCE.md).
+COMMAND_BUFFER_MAX_FLOPS = 2 ** 36
 
 
-def command_buffers() -> bool:
-    """Whether our calls use the FFI targets XLA may record into its command buffers (CUDA
-    graphs): JAX_SDPA_COMMAND_BUFFERS=1 on, =0 off, unset COMMAND_BUFFERS_BY_DEFAULT; read when
-    a call is traced."""
+def command_buffers() -> bool | None:
+    """Whether our calls use the FFI targets XLA may record into its command buffers:
+    JAX_SDPA_COMMAND_BUFFERS=1 all of them, =0 none, unset None (each call by its work,
+    COMMAND_BUFFER_MAX_FLOPS); read when a call is traced."""
     text = os.environ.get(COMMAND_BUFFERS_VARIABLE, "")
     if text not in ("", "0", "1"):
         raise ValueError(f"{COMMAND_BUFFERS_VARIABLE} must be 0 or 1, got {text!r}")
-    return COMMAND_BUFFERS_BY_DEFAULT if not text else text == "1"
+    return None if not text else text == "1"
+
+
+def call_flops(query, keys: int, head_dim_v: int) -> float:
+    """A call's work as if dense: 2 * query rows * keys * (H + Hv) (Q K^T and P V)."""
+    rows = 1
+    for size in query.shape[:-1]:
+        rows *= int(size)
+    return 2.0 * rows * keys * (int(query.shape[-1]) + head_dim_v)
+
+
+def records_into_command_buffers(config, flops: float) -> bool:
+    """The mode a call with this config and work runs in (command_buffers())."""
+    if config.command_buffer is not None:
+        return config.command_buffer
+    return flops <= COMMAND_BUFFER_MAX_FLOPS
 
 
 GRAPH_CACHE_SIZE_VARIABLE = "JAX_SDPA_GRAPH_CACHE_SIZE"
@@ -156,10 +176,6 @@ def varying_axes(x) -> set:
     return set(varying or ())
 
 
-def _target(role, config):
-    return target_names()[role + ("_command_buffer" if config.command_buffer else "")]
-
-
 def _optional_operands(inputs, ragged_operands, config):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
     when ragged), [offsets], [dropout_seed]."""
@@ -194,14 +210,18 @@ def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
         return 0
 
 
-def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method):
+def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method,
+                         keys):
     """ffi_call of our target with the call's cuDNN workspace as one more result, a uint8 buffer
     XLA allocates: XLA reuses that memory like any temporary, and orders it like any buffer
     inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
     from the call's graph, built here (on this process's first GPU) and cached for the call;
     without a GPU, or a graph that needs none, the handler takes scratch memory per call
-    instead. Returns the call's other results."""
-    attributes = dict(attributes, workspace_result=False)
+    instead. keys: each query row's keys (for the call's work). Returns the call's other
+    results."""
+    query, value = operands[0], operands[2]
+    buffered = records_into_command_buffers(config, call_flops(query, keys, value.shape[-1]))
+    attributes = dict(attributes, command_buffer=buffered, workspace_result=False)
     device = _gpu_ordinal()
     workspace = 0
     if device is not None:
@@ -212,8 +232,8 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     if workspace > 0:
         attributes["workspace_result"] = True
         result_types = (*result_types, jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    call = jax.ffi.ffi_call(_target(role, config), tuple(result_types),
-                            vmap_method=vmap_method)
+    target = target_names()[role + ("_command_buffer" if buffered else "")]
+    call = jax.ffi.ffi_call(target, tuple(result_types), vmap_method=vmap_method)
     results = call(*operands, **attributes)
     return _varying_like(results[:len(results) - (workspace > 0)], operands)
 
@@ -242,7 +262,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
-                                "broadcast_all")
+                                "broadcast_all", key.shape[-3])
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
@@ -259,7 +279,7 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
                                        max_document=max_document)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
-                                   "broadcast_all")
+                                   "broadcast_all", key.shape[-3])
     return (*results[:3], results[3] if with_dbias else None)
 
 
@@ -278,4 +298,5 @@ def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, pag
     operands = (query, key_cache, value_cache, q_lengths, kv_lengths, page_table)
     # The handler takes one problem: under vmap, one call per element.
     return _call_with_workspace("forward", config, result_types, operands,
-                                config.ffi_attributes(paged=True), "sequential")
+                                config.ffi_attributes(paged=True), "sequential",
+                                page_table.shape[-1] * key_cache.shape[1])

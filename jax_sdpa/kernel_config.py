@@ -57,7 +57,9 @@ class KernelConfig:
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
     # the sink's share of each row (jax_sdpa/sinks.py); cuDNN itself never sees it.
     has_sinks: bool = False
-    command_buffer: bool = False  # the FFI targets XLA may record into CUDA graphs
+    # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
+    # by its work (jax_sdpa/_ffi.py, JAX_SDPA_COMMAND_BUFFERS).
+    command_buffer: bool | None = None
     debug: int = 0  # DEBUG_* bits (tests)
 
     def __post_init__(self):
@@ -90,7 +92,8 @@ class KernelConfig:
 
     def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
                        paged: bool = False) -> dict:
-        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them).
+        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them)
+        but the two jax_sdpa/_ffi.py adds per call: command_buffer and workspace_result.
         ragged: the call runs packed documents (lengths per document, offsets); max_document:
         (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
         values are page pools read through a page table (forward only)."""
@@ -106,5 +109,4 @@ class KernelConfig:
                     max_document_kv=np.int64(max_document[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
-                    zero_outputs=bool(zero_outputs), debug=np.int64(self.debug),
-                    command_buffer=bool(self.command_buffer))
+                    zero_outputs=bool(zero_outputs), debug=np.int64(self.debug))

@@ -86,9 +86,9 @@ def target(role):
     return _ffi.target_names()[role]
 
 
-def lowered_target(role):
-    """The target a call of this role lowers to in this run's mode: the command-buffer twin
-    when command buffers are on (JAX_SDPA_COMMAND_BUFFERS, a way to run the suite)."""
-    from jax_sdpa import _ffi  # noqa: PLC0415
-
-    return target(role + ("_command_buffer" if _ffi.command_buffers() else ""))
+def calls_to(text, role):
+    """The lines of lowered `text` that call our target of this role (forward, backward) or
+    its command-buffer twin: which one a call lowers to depends on its size and on
+    JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/_ffi.py)."""
+    names = (target(role), target(role + "_command_buffer"))
+    return [line for line in text.splitlines() if any(f"@{name}(" in line for name in names)]

@@ -11,7 +11,7 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa import _ffi, debug
-from conftest import lowered_target, random_qkv, relative_error
+from conftest import calls_to, random_qkv, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -29,8 +29,8 @@ def make_step(d_out):
 
 def workspace_results(text, role):
     """Sizes of the uint8 results of the lowered calls to our target of `role`."""
-    lines = [line for line in text.splitlines() if f"@{lowered_target(role)}(" in line]
-    assert lines, f"no call to {lowered_target(role)}"
+    lines = calls_to(text, role)
+    assert lines, f"no {role} call"
     return [int(size) for line in lines
             for size in re.findall(r"tensor<(\d+)xui8>", line.split("->")[-1])]
 
@@ -57,9 +57,7 @@ def test_backward_lowers_with_its_workspace_as_a_result(mode, monkeypatch):
     text = make_step(d_out).lower(q, k, v).as_text()
     sizes = workspace_results(text, "backward")
     assert len(sizes) == 1 and sizes[0] > 0, sizes
-    backward = next(line for line in text.splitlines()
-                    if f"@{lowered_target('backward')}(" in line)
-    assert "workspace_result = true" in backward
+    assert "workspace_result = true" in calls_to(text, "backward")[0]
 
 
 @MODES

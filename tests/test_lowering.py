@@ -10,9 +10,9 @@ import pytest
 from jax_sdpa import _ffi
 import jax_sdpa
 from jax_sdpa.kernel_config import KernelConfig
-from conftest import kernel_attention, lowered_target, target
+from conftest import calls_to, kernel_attention, target
 
-FORWARD, BACKWARD = lowered_target("forward"), lowered_target("backward")
+FORWARD, BACKWARD = "forward", "backward"  # our targets' roles (either twin: conftest.calls_to)
 
 
 def test_extension_loads_and_reports_cudnn():
@@ -23,9 +23,9 @@ def test_extension_loads_and_reports_cudnn():
     assert module.cudnn_header_version() >= 90000
 
 
-def backend_config(text, target_name):
-    """The attribute names of the first custom call to target_name in lowered StableHLO."""
-    line = next(line for line in text.splitlines() if f"@{target_name}(" in line)
+def backend_config(text, role):
+    """The attribute names of the first call to our target of `role` in lowered StableHLO."""
+    line = calls_to(text, role)[0]
     config = line[line.index("mhlo.backend_config = {") + len("mhlo.backend_config = {"):]
     return set(re.findall(r"(\w+) = ", config.split("}")[0]))
 
@@ -47,10 +47,17 @@ def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
     assert ("ragged = true" in text) == packed
 
 
-def custom_calls(fn, *args):
+def custom_call_names(fn, *args):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
     return set(re.findall(r"custom_call @([\w$]+)", text))
+
+
+def custom_calls(fn, *args):
+    """The custom calls fn lowers to: ours by role (either twin), others by name."""
+    roles = {target(role + twin): role for role in (FORWARD, BACKWARD)
+             for twin in ("", "_command_buffer")}
+    return {roles.get(name, name) for name in custom_call_names(fn, *args)}
 
 
 def loss(q, k, v):
@@ -108,13 +115,12 @@ def test_options_lower_to_our_targets(option, monkeypatch):
     text = jax.jit(jax.grad(grad_loss, argnums=argnums)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
-    assert FORWARD in text and BACKWARD in text
-    backward = [line for line in text.splitlines() if BACKWARD in line][0]
+    backward = calls_to(text, BACKWARD)[0]
     assert ("bias_grad = true" in backward) == ("bias" in kwargs)
     # The forward and the backward get the same dropout probability (and seed operand).
     dropout = "dropout = 2.500000e-01" if "dropout_rate" in kwargs else "dropout = 0.0"
     assert dropout in backward
-    forward = [line for line in text.splitlines() if FORWARD in line][0]
+    forward = calls_to(text, FORWARD)[0]
     assert dropout in forward
 
 
@@ -146,7 +152,7 @@ def test_export_with_the_declared_custom_calls(monkeypatch):
     restored = jax.export.deserialize(exported.serialize())
     assert restored.platforms == ("cuda",)
     text = restored.mlir_module()
-    assert FORWARD in text and BACKWARD in text
+    assert calls_to(text, FORWARD) and calls_to(text, BACKWARD)
     assert "cudnn$fmha" not in text
 
 
@@ -169,12 +175,15 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     assert {FORWARD, BACKWARD} <= custom_calls(grad, x, x, x)
 
 
-def test_command_buffer_targets_follow_the_variable(monkeypatch):
-    """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers to the command-buffer
-    compatible twins of our targets, =0 to the plain ones, unset to the default's; anything
-    else is refused by name."""
+def test_command_buffer_targets_follow_the_variable_and_the_size(monkeypatch):
+    """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers every call to the
+    command-buffer compatible twins of our targets, =0 none; unset, a call is recorded when its
+    work is at most _ffi.COMMAND_BUFFER_MAX_FLOPS; anything else is refused by name."""
     monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
-    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    small = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    large = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+    assert _ffi.call_flops(small, 64, 64) <= _ffi.COMMAND_BUFFER_MAX_FLOPS
+    assert _ffi.call_flops(large, 8192, 128) > _ffi.COMMAND_BUFFER_MAX_FLOPS
 
     def grad():  # a new function each time: jit caches traces by function
         return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
@@ -182,16 +191,16 @@ def test_command_buffer_targets_follow_the_variable(monkeypatch):
             argnums=(0, 1, 2))
     plain = {target("forward"), target("backward")}
     buffered = {target("forward_command_buffer"), target("backward_command_buffer")}
-    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "0")
-    assert plain <= custom_calls(grad(), q, q, q)
-    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
-    assert buffered <= custom_calls(grad(), q, q, q)
-    monkeypatch.delenv("JAX_SDPA_COMMAND_BUFFERS")
-    default = buffered if _ffi.COMMAND_BUFFERS_BY_DEFAULT else plain
-    assert default <= custom_calls(grad(), q, q, q)
+    for value, expected in (("0", {small: plain, large: plain}),
+                            ("1", {small: buffered, large: buffered}),
+                            ("", {small: buffered, large: plain})):
+        monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", value)
+        for shape, names in expected.items():
+            found = custom_call_names(grad(), shape, shape, shape)
+            assert names <= found and not (plain | buffered) - names & found, (value, shape)
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "yes")
     with pytest.raises(ValueError, match="JAX_SDPA_COMMAND_BUFFERS must be 0 or 1"):
-        custom_calls(grad(), q, q, q)
+        custom_calls(grad(), small, small, small)
 
 
 @pytest.mark.parametrize("transform", ["plain", "vmap"])
@@ -218,7 +227,8 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
 
 def planner_attributes(**changes):
     """A plain call's attributes as workspace_bytes takes them (numbers by name)."""
-    attributes = dict(KernelConfig(0.125).ffi_attributes(), workspace_result=False, **changes)
+    attributes = dict(KernelConfig(0.125).ffi_attributes(), command_buffer=False,
+                      workspace_result=False, **changes)
     return {name: float(value) for name, value in attributes.items()}
 
 
