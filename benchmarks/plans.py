@@ -34,6 +34,10 @@ from jax_sdpa import _ffi, kernels
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
 
+# The JAX calls timed next to the graph alone (benchmarks/implementations.py's names).
+CALL_IMPLEMENTATIONS = ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
+
+
 def buffer_sets(config, direction, inputs):
     """Device pointers of q, k, v, o, stats[, d_o, dq, dk, dv] per input set: the benchmark's
     inputs, and fresh arrays for what the graphs write (never read back through JAX)."""
@@ -115,12 +119,12 @@ def preferred(plans):
 
 
 def time_calls(config, rounds):
-    """{(impl, mode): marginal ms per call inside jit} for jax_sdpa (plain, command buffers)
-    and jax.nn cudnn."""
+    """{(impl, mode): marginal ms per call inside jit} for jax_sdpa (its default; every call
+    recorded into command buffers; none) and jax.nn cudnn."""
     chains = {n: make_inputs(config, seed=0) + make_inputs(config, seed=1)[:n - CALLS]
               for n in (CALLS, 2 * CALLS)}
     impls = {name: fn for name, fn in available(config, command_buffers=True).items()
-             if name in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")}
+             if name in CALL_IMPLEMENTATIONS}
     fns = {(name, mode, n): fn for name, attention in impls.items()
            for mode, fn in timed_functions(attention, config.causal).items() for n in chains}
     for (_, _, n), fn in fns.items():
@@ -133,9 +137,10 @@ def time_calls(config, rounds):
 
 
 def markdown(results):
-    lines = ["| config | mode | cuDNN graph alone ms | jax_sdpa ms (×) | jax_sdpa cmdbuf ms (×) "
-             "| jax.nn cudnn ms (×) | fastest plan ms (× heuristics' first) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| config | mode | cuDNN graph alone ms | "
+             + " | ".join(f"{impl} ms (×)" for impl in CALL_IMPLEMENTATIONS)
+             + " | fastest plan ms (× heuristics' first) |",
+             "|---|---|---|" + "---|" * len(CALL_IMPLEMENTATIONS) + "---|"]
     for r in results:
         if "calls_ms" not in r:  # a ragged graph: timed alone only
             continue
@@ -143,7 +148,7 @@ def markdown(results):
             alone = r["alone_ms"][mode]
             cells = [f"{r['calls_ms'][f'{impl}|{mode}']:.3f} "
                      f"({r['calls_ms'][f'{impl}|{mode}'] / alone:.3f})"
-                     for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")]
+                     for impl in CALL_IMPLEMENTATIONS]
             best = r["best_ms"][mode]
             lines.append(f"| {r['config']} | {mode} | {alone:.3f} | {' | '.join(cells)} | "
                          f"{best:.3f} ({best / alone:.3f}) |")

@@ -24,7 +24,7 @@ def test_plan_table_ratios():
         config="c", plans={"forward": [plan(0, 0.2), plan(1, 0.4)],
                            "backward": [plan(0, -1, "failed"), plan(1, 0.6)]},
         alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
-        calls_ms={f"{impl}|{mode}": ms for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")
+        calls_ms={f"{impl}|{mode}": ms for impl in ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
                   for mode, ms in (("fwd", 0.21), ("fwd+bwd", 1.0))})
     table = plans.markdown([result])
     assert "| c | fwd | 0.200 | 0.210 (1.050) |" in table
@@ -40,7 +40,7 @@ def test_other_forward_implementations_compare_with_the_frontends_choice():
                            "forward unified": [plan(0, 0.18)],
                            "forward composite": [plan(0, 0.0, "unified refuses masks")]},
         alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
-        calls_ms={f"{impl}|{mode}": 1.0 for impl in ("jax_sdpa", "jax_sdpa cmdbuf", "jax.nn cudnn")
+        calls_ms={f"{impl}|{mode}": 1.0 for impl in ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
                   for mode in ("fwd", "fwd+bwd")})
     table = plans.markdown([result])
     assert "| c | forward unified | 0 | eng0 | 0.180 | 0.900 |" in table
