@@ -16,9 +16,10 @@ import jax.numpy as jnp
 COMMAND_BUFFERS_VARIABLE = "JAX_SDPA_COMMAND_BUFFERS"
 # By default a call is recorded into XLA's command buffers (CUDA graphs) when its work is at
 # most this many FLOPs (2 * query rows * keys * (H + Hv), masks ignored): ~0.1 ms of kernel time
-# or less on an H200, where launching and dispatching cost a measurable share. Larger calls
-# stay out: benchmarks.attention measured d256-s4k-causal and d128-s4k-full fwd+bwd 6-10% slower
-# recorded (sixth and ninth sessions), and the others no faster (docs/PERFORMANCE.md).
+# or less on an H200, where launching and dispatching are a visible share of a call. Above it
+# recording gained nothing measurable (benchmarks.attention and benchmarks.plans, ninth
+# session: every large config within the tools' +-3%), so larger calls keep the plain targets.
+# Either way the workspace is XLA's (sdpa_forward), so a recorded call holds no memory.
 COMMAND_BUFFER_MAX_FLOPS = 2 ** 36
 
 
