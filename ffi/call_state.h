@@ -1,13 +1,14 @@
 // State XLA keeps for each of our custom calls in a compiled executable (the FFI "instantiate"
-// stage): per device, the graph that call runs and, for calls XLA records into command buffers,
-// its own workspace. It serves three purposes:
+// stage): per device, the graph that call runs and, for a call XLA records into command buffers
+// without giving it a big enough workspace result, its own workspace. It serves three purposes:
 // - a call finds its graph without hashing its config or taking the cache's lock;
 // - a graph stays alive as long as an executable that uses it: a call recorded into a command
 //   buffer (a CUDA graph) replays cuDNN's kernels long after the call returned, so the LRU
 //   cache must not free the graph while the executable lives;
-// - a recorded call's workspace must outlive the call too (per-call scratch would be gone),
-//   and must be the call's alone: XLA orders the commands of a CUDA graph only by the buffers
-//   it sees, so two of our calls in one executable may run at the same time.
+// - such a recorded call's workspace must outlive the call too (per-call scratch would be
+//   gone), and must be the call's alone: XLA orders the commands of a CUDA graph only by the
+//   buffers it sees, so two of our calls in one executable may run at the same time. (The
+//   workspace result Python plans, sdpa_handlers.h, is such a buffer: it needs neither.)
 #pragma once
 
 #include <cstddef>
