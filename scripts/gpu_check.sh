@@ -36,6 +36,9 @@ else
     done
   fi
 fi
+# Failed tests are named in $out/failures.txt as they fail (tests/conftest.py): a call cut by
+# its time limit loses pytest's summary.
+export JAX_SDPA_FAILURES_FILE="$out/failures.txt"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -40
 status=${PIPESTATUS[0]}
