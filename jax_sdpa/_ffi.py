@@ -19,7 +19,7 @@ COMMAND_BUFFERS_VARIABLE = "JAX_SDPA_COMMAND_BUFFERS"
 # or less on an H200, where launching and dispatching are a visible share of a call. Above it
 # recording gained nothing measurable (benchmarks.attention and benchmarks.plans, ninth
 # session: every large config within the tools' +-3%), so larger calls keep the plain targets.
-# Either way the workspace is XLA's (sdpa_forward), so a recorded call holds no memory.
+# Either way the workspace is XLA's (_call_with_workspace), so a recorded call holds no memory.
 COMMAND_BUFFER_MAX_FLOPS = 2 ** 36
 
 
