@@ -92,8 +92,8 @@ class KernelConfig:
 
     def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
                        paged: bool = False) -> dict:
-        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them)
-        but the two jax_sdpa/_ffi.py adds per call: command_buffer and workspace_result.
+        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them),
+        all but command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call.
         ragged: the call runs packed documents (lengths per document, offsets); max_document:
         (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
         values are page pools read through a page table (forward only)."""

@@ -96,9 +96,13 @@ def target(role):
     return _ffi.target_names()[role]
 
 
+def twins(role):
+    """(plain, command-buffer) names of our target of this role (forward, backward): which one
+    a call lowers to depends on its size and on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/_ffi.py)."""
+    return target(role), target(role + "_command_buffer")
+
+
 def calls_to(text, role):
-    """The lines of lowered `text` that call our target of this role (forward, backward) or
-    its command-buffer twin: which one a call lowers to depends on its size and on
-    JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/_ffi.py)."""
-    names = (target(role), target(role + "_command_buffer"))
+    """The lines of lowered `text` that call either twin of our target of this role."""
+    names = twins(role)
     return [line for line in text.splitlines() if any(f"@{name}(" in line for name in names)]

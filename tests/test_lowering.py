@@ -10,7 +10,7 @@ import pytest
 from jax_sdpa import _ffi
 import jax_sdpa
 from jax_sdpa.kernel_config import KernelConfig
-from conftest import calls_to, kernel_attention, target
+from conftest import calls_to, kernel_attention, twins
 
 FORWARD, BACKWARD = "forward", "backward"  # our targets' roles (either twin: conftest.calls_to)
 
@@ -55,8 +55,7 @@ def custom_call_names(fn, *args):
 
 def custom_calls(fn, *args):
     """The custom calls fn lowers to: ours by role (either twin), others by name."""
-    roles = {target(role + twin): role for role in (FORWARD, BACKWARD)
-             for twin in ("", "_command_buffer")}
+    roles = {name: role for role in (FORWARD, BACKWARD) for name in twins(role)}
     return {roles.get(name, name) for name in custom_call_names(fn, *args)}
 
 
@@ -174,9 +173,9 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     monkeypatch.delenv("JAX_SDPA_COMMAND_BUFFERS", raising=False)
     # Small blocks, yet the plain targets: a ring records its calls only when asked (=1).
-    assert {target("forward"), target("backward")} <= custom_call_names(grad, x, x, x)
-    assert not {target("forward_command_buffer"),
-                target("backward_command_buffer")} & custom_call_names(grad, x, x, x)
+    plain, buffered = zip(twins(FORWARD), twins(BACKWARD))
+    assert set(plain) <= custom_call_names(grad, x, x, x)
+    assert not set(buffered) & custom_call_names(grad, x, x, x)
 
 
 def test_command_buffer_targets_follow_the_variable_and_the_size(monkeypatch):
@@ -193,8 +192,7 @@ def test_command_buffer_targets_follow_the_variable_and_the_size(monkeypatch):
         return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum(),
             argnums=(0, 1, 2))
-    plain = {target("forward"), target("backward")}
-    buffered = {target("forward_command_buffer"), target("backward_command_buffer")}
+    plain, buffered = (set(names) for names in zip(twins(FORWARD), twins(BACKWARD)))
     for value, expected in (("0", {small: plain, large: plain}),
                             ("1", {small: buffered, large: buffered}),
                             ("", {small: buffered, large: plain})):
