@@ -172,10 +172,10 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     monkeypatch.delenv("JAX_SDPA_COMMAND_BUFFERS", raising=False)
-    # Small blocks, yet the plain targets: a ring records its calls only when asked (=1).
+    # Small blocks: recorded, as any call of that size (_ffi.COMMAND_BUFFER_MAX_FLOPS).
     plain, buffered = zip(twins(FORWARD), twins(BACKWARD))
-    assert set(plain) <= custom_call_names(grad, x, x, x)
-    assert not set(buffered) & custom_call_names(grad, x, x, x)
+    assert set(buffered) <= custom_call_names(grad, x, x, x)
+    assert not set(plain) & custom_call_names(grad, x, x, x)
 
 
 def test_command_buffer_targets_follow_the_variable_and_the_size(monkeypatch):
