@@ -25,6 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fresh_traces():
+    """JAX's caches cleared before and after the test: our kernels' traces are cached by their
+    config, so a test that patches what a trace reads (the workspace's size, the GPU) must trace
+    afresh, and must leave no patched trace behind for the tests after it in its worker (tenth
+    session: an order-dependent failure of test_lowering's no-GPU case on the H200)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 def pytest_runtest_logreport(report):
     """With JAX_SDPA_FAILURES_FILE set (scripts/gpu_check.sh), each failed test's name goes to
     that file as it fails: a device call cut by its time limit loses pytest's summary, and with

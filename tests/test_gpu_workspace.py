@@ -62,7 +62,8 @@ def test_backward_lowers_with_its_workspace_as_a_result(mode, monkeypatch):
 
 @MODES
 @pytest.mark.parametrize("given", ["planned", "too_small", "none"])
-def test_every_workspace_gives_the_same_answers(given, mode, seed_problem, monkeypatch):
+def test_every_workspace_gives_the_same_answers(given, mode, seed_problem, monkeypatch,
+                                                fresh_traces):
     """The planned workspace, one too small (the handler must not use it) and none at all
     (planned without a GPU): bit-identical answers, with the workspace poisoned first."""
     (q, k, v, d_out), want = seed_problem
@@ -70,7 +71,6 @@ def test_every_workspace_gives_the_same_answers(given, mode, seed_problem, monke
     if given != "planned":
         size = 256 if given == "too_small" else 0
         monkeypatch.setattr(_ffi, "_planned_workspace_bytes", lambda *args: size)
-    jax.clear_caches()  # the kernels' traces are cached by config: trace them again here
     with debug.poison_outputs():  # traced here: outputs and workspace poisoned first
         step = make_step(d_out)
         text = step.lower(q, k, v).as_text()

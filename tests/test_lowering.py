@@ -259,7 +259,7 @@ def test_workspace_planner_refuses_what_the_handlers_refuse():
                 planner_attributes(paged=True, has_lengths=True))
 
 
-def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch):
+def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch, fresh_traces):
     """Lowering for CUDA where no GPU can size the workspace (CI, jax.export on a CPU host):
     no uint8 result; the handlers then take scratch memory per call."""
     monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
