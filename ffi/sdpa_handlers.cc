@@ -14,6 +14,7 @@
 #include "check.h"
 #include "cudnn_handles.h"
 #include "graph_cache.h"
+#include "poison_rows.h"
 #include "sdpa_config.h"
 #include "sdpa_graphs.h"
 
@@ -35,6 +36,7 @@
   SEP X(bool, deterministic)                                                         \
   SEP X(float, dropout)                                                              \
   SEP X(bool, zero_outputs) /* elements no document or length covers stay zero */    \
+  SEP X(bool, poison_rows)  /* int32 [rows] operand: rows whose first token becomes NaN */ \
   SEP X(int64_t, debug)     /* DebugFlags */                                         \
   SEP X(bool, command_buffer) /* recorded into command buffers: see PrepareCall */     \
   SEP X(bool, workspace_result) /* the last result is the call's cuDNN workspace */
@@ -98,9 +100,10 @@ ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const ch
 }
 
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
-// [page_table], [dropout_seed].
+// [page_table], [dropout_seed], [poison_rows].
 struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed;
+  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
+      poison_rows;
 };
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
@@ -119,7 +122,8 @@ template <typename Get>
 ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get, const Options& options) {
   bool has_dropout = options.dropout > 0;
   size_t expected = (options.has_bias ? 1 : 0) + (options.has_lengths ? 2 : 0) +
-                    (options.ragged ? 1 : 0) + (options.paged ? 1 : 0) + (has_dropout ? 1 : 0);
+                    (options.ragged ? 1 : 0) + (options.paged ? 1 : 0) + (has_dropout ? 1 : 0) +
+                    (options.poison_rows ? 1 : 0);
   if (count != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
                                    " optional operands, got " + std::to_string(count))};
@@ -140,6 +144,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get, const Opt
   if (options.ragged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.offsets));
   if (options.paged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.page_table));
   if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
+  if (options.poison_rows) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.poison_rows));
   return inputs;
 }
 
@@ -516,6 +521,9 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteForward(call.handle.get(), buffers, call.workspace));
     }
+    if (plan.optional.poison_rows) {
+      JAX_SDPA_RETURN_IF_ERROR(PoisonFirstTokens(stream, device, *plan.optional.poison_rows, *o));
+    }
     return ffi::Error::Success();
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("jax_sdpa forward: ") + e.what());
@@ -572,6 +580,12 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       if (dbias) buffers.dbias = MutableSlice(*dbias, r, plan.repeats);
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteBackward(call.handle.get(), buffers, call.workspace));
+    }
+    if (plan.optional.poison_rows) {
+      for (ffi::AnyBuffer gradient : {*dq, *dk, *dv}) {
+        JAX_SDPA_RETURN_IF_ERROR(
+            PoisonFirstTokens(stream, device, *plan.optional.poison_rows, gradient));
+      }
     }
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -680,7 +694,7 @@ auto AttentionBinding() {
 
 auto ForwardBinding() {
   return AttentionBinding()
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [page_table], [seed]
+      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
       .RemainingRets()        // [workspace]
@@ -692,7 +706,7 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
-      .RemainingArgs()        // [bias], [q_lengths, kv_lengths], [offsets], [page_table], [seed]
+      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv

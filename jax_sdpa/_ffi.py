@@ -177,9 +177,9 @@ def varying_axes(x) -> set:
     return set(varying or ())
 
 
-def _optional_operands(inputs, ragged_operands, config):
+def _optional_operands(inputs, ragged_operands, config, poison_rows):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
-    when ragged), [offsets], [dropout_seed]."""
+    when ragged), [offsets], [dropout_seed], [poison_rows]."""
     operands = [inputs["bias"]] if config.has_bias else []
     if ragged_operands is not None:
         operands += list(ragged_operands)
@@ -187,6 +187,8 @@ def _optional_operands(inputs, ragged_operands, config):
         operands += [inputs["q_lengths"], inputs["kv_lengths"]]
     if config.has_seed:
         operands.append(inputs["dropout_seed"])
+    if poison_rows is not None:
+        operands.append(poison_rows.astype(jnp.int32))
     return operands
 
 
@@ -239,14 +241,15 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     return _varying_like(results[:len(results) - (workspace > 0)], operands)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
+def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None):
     """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
     inputs: the config's inputs by name (kernel_config.INPUTS); query, key, value in the
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
     per document, offsets) from jax_sdpa.packing.ragged_operands; max_document: (queries, keys)
-    no document is longer than (0: the rows' lengths).
+    no document is longer than (0: the rows' lengths); poison_rows: None, or bool [batch...]:
+    rows whose first output token comes back NaN.
     """
     _register_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -257,9 +260,11 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
         jax.ShapeDtypeStruct((*batch, q_seq_len, q_heads, value.shape[-1]), query.dtype),
         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
     )
-    operands = (query, key, value, *_optional_operands(inputs, ragged_operands, config))
+    operands = (query, key, value,
+                *_optional_operands(inputs, ragged_operands, config, poison_rows))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document=max_document)
+                                       max_document=max_document,
+                                       poison_rows=poison_rows is not None)
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
@@ -267,8 +272,9 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
-                  max_document=(0, 0)):
-    """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias."""
+                  max_document=(0, 0), poison_rows=None):
+    """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
+    as sdpa_forward's, for dq, dk and dv."""
     _register_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value)]
@@ -276,9 +282,10 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     if with_dbias:
         result_types.append(jax.ShapeDtypeStruct(inputs["bias"].shape, inputs["bias"].dtype))
     operands = (query, key, value, output, stats, d_output.astype(output.dtype),
-                *_optional_operands(inputs, ragged_operands, config))
+                *_optional_operands(inputs, ragged_operands, config, poison_rows))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document=max_document)
+                                       max_document=max_document,
+                                       poison_rows=poison_rows is not None)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", key.shape[-3])
     return (*results[:3], results[3] if with_dbias else None)

@@ -91,12 +91,13 @@ class KernelConfig:
         return tuple(name for name in INPUTS if present[name])
 
     def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
-                       paged: bool = False) -> dict:
+                       paged: bool = False, poison_rows: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them),
         all but command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call.
         ragged: the call runs packed documents (lengths per document, offsets); max_document:
         (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
-        values are page pools read through a page table (forward only)."""
+        values are page pools read through a page table (forward only); poison_rows: an int32
+        [B] operand names rows whose first token of every result the handler sets to NaN."""
         # Tokens of no document (past a length, or whose id the other side lacks) and rows past
         # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
         zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
@@ -109,4 +110,5 @@ class KernelConfig:
                     max_document_kv=np.int64(max_document[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
-                    zero_outputs=bool(zero_outputs), debug=np.int64(self.debug))
+                    zero_outputs=bool(zero_outputs), poison_rows=bool(poison_rows),
+                    debug=np.int64(self.debug))

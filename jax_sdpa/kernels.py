@@ -144,20 +144,22 @@ def _packed_plans(inputs, config):
     return _plans(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
-def _ragged_forward(config, docs, plan, inputs):
+def _ragged_forward(config, docs, plan, inputs, poison_rows=None):
     entries, bound = plan
     output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
-                                      max_document=bound)
+                                      max_document=bound, poison_rows=poison_rows)
     stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
     if _may_see_nothing(config):
         uniform = _uniform_rows(config, inputs, docs)
+        if poison_rows is not None:  # a poisoned row stays NaN
+            uniform &= ~poison_rows[:, None]
         output = jnp.where(uniform[:, :, None, None],
                            _mean_value(inputs)[:, None].astype(output.dtype), output)
         stats = jnp.where(uniform[:, None, :], large_negative(), stats)
     return output, stats
 
 
-def _ragged_backward(config, docs, plan, inputs, output, stats, d_output):
+def _ragged_backward(config, docs, plan, inputs, output, stats, d_output, poison_rows=None):
     entries, bound = plan
     uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
     cleared = d_output
@@ -165,7 +167,7 @@ def _ragged_backward(config, docs, plan, inputs, output, stats, d_output):
         cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
     dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
                                        config, _ragged_operands(inputs, docs, entries),
-                                       max_document=bound)
+                                       max_document=bound, poison_rows=poison_rows)
     if uniform is not None:
         extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
         dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
@@ -190,22 +192,15 @@ def _stated_documents(config, docs):
                          kv_len=jnp.minimum(docs.kv_len, bound_kv)), broken
 
 
-def _poison_first_token(x, broken):
-    """x [B, L, ...] with the first token of the broken rows NaN: a row that broke the
-    statement makes any loss over the output NaN. A scatter that never reads x (rows kept
-    get an index past the end, dropped) can update x in place; reading x[:, 0] to keep the
-    other rows made XLA copy x whole (H200, 2026-11-30: +0.115x the bound per fwd+bwd call)."""
-    rows = jnp.where(broken, jnp.arange(x.shape[0]), x.shape[0])
-    return x.at[rows, 0].set(jnp.nan, mode="drop")
-
-
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
     if config.document_bound:
+        # A row that broke the statement comes back NaN at its first token (the handler
+        # writes it: XLA cannot update a slice of a custom call's result in place).
         docs, broken = _stated_documents(config, docs)
-        output, stats = _ragged_forward(config, docs, _stated_plan(inputs, config), inputs)
-        return (_poison_first_token(output, broken),
-                jnp.where(broken[:, None, None], jnp.nan, stats))
+        output, stats = _ragged_forward(config, docs, _stated_plan(inputs, config), inputs,
+                                        poison_rows=broken)
+        return output, jnp.where(broken[:, None, None], jnp.nan, stats)
     plans = _packed_plans(inputs, config)
 
     def exact(inputs):
@@ -218,9 +213,8 @@ def _packed_backward(config, inputs, output, stats, d_output):
     docs = _documents(config, inputs)
     if config.document_bound:
         docs, broken = _stated_documents(config, docs)
-        gradients = _ragged_backward(config, docs, _stated_plan(inputs, config), inputs,
-                                     output, stats, d_output)
-        return tuple(_poison_first_token(g, broken) for g in gradients[:3]) + (None,)
+        return _ragged_backward(config, docs, _stated_plan(inputs, config), inputs, output,
+                                stats, d_output, poison_rows=broken)
     plans = _packed_plans(inputs, config)
 
     def exact(inputs, output, stats, d_output):

@@ -69,18 +69,27 @@ def _unwritten(x, covered, config):
     return jnp.where(covered.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x, fill)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0)):
+def _poisoned(x, poison_rows):
+    """x [B, L, ...] with the first token of the rows poison_rows names NaN, as the handler
+    writes it after cuDNN ran."""
+    if poison_rows is None:
+        return x
+    return x.at[:, 0].set(jnp.where(poison_rows.reshape((-1,) + (1,) * (x.ndim - 2)),
+                                    jnp.nan, x[:, 0]))
+
+
+def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None):
     if ragged_operands is None:
         return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
                                                  max_document)
-    return (_unwritten(out, q_covered, config).astype(query.dtype),
-            _unwritten(stats, q_covered, config))
+    out = _unwritten(out, q_covered, config).astype(query.dtype)
+    return _poisoned(out, poison_rows), _unwritten(stats, q_covered, config)
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
-                  max_document=(0, 0)):
+                  max_document=(0, 0), poison_rows=None):
     if ragged_operands is None:
         return reference_kernel.backward(config, inputs, output, stats, d_output)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -91,6 +100,7 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     dq, dk, dv = vjp(d_output.astype(jnp.float32))
     _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands,
                                                     max_document)
-    return (_unwritten(dq, q_covered, config).astype(query.dtype),
-            _unwritten(dk, kv_covered, config).astype(key.dtype),
-            _unwritten(dv, kv_covered, config).astype(value.dtype), None)
+    return (_poisoned(_unwritten(dq, q_covered, config).astype(query.dtype), poison_rows),
+            _poisoned(_unwritten(dk, kv_covered, config).astype(key.dtype), poison_rows),
+            _poisoned(_unwritten(dv, kv_covered, config).astype(value.dtype), poison_rows),
+            None)
