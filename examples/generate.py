@@ -133,7 +133,19 @@ def main(argv=None):
     print(f"{len(texts)} prompts of {min(len(t) for t in texts)}-{max(len(t) for t in texts)} "
           f"bytes, {args.new_tokens} new tokens each, page size {args.page_size}: {rate:,.0f} "
           f"tokens/s decoding on {jax.devices()[0].device_kind} ({run_dir})")
+    print(quality_note(run_dir))
 
+
+def quality_note(run_dir):
+    """What to expect of the text, from the size and the validation loss the run reached."""
+    log = json.loads((run_dir / "log.json").read_text())
+    loss = (log.get("validation") or [{}])[-1].get("loss")
+    size = f"a {log['parameters'] / 1e6:.1f}M-parameter byte-level model"
+    if loss is None:
+        return f"({size} with no validation loss recorded)"
+    expect = ("Python-shaped text: indentation, keywords, common names, rarely code that runs"
+              if loss > 1.0 else "plausible lines of Python")
+    return f"({size} at {loss:.2f} nats/byte of validation loss: expect {expect})"
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ import os
 import pathlib
 import sys
 import time
-import warnings
 
 import jax
 import numpy as np
@@ -148,7 +147,6 @@ def save_plot(path, history, validation, title):
 
 def main(argv=None):
     args = parse_args(argv)
-    warnings.filterwarnings("once", category=RuntimeWarning, module="jax_sdpa")
     out_dir = pathlib.Path(args.out_dir or f"runs/gpt2-{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
@@ -203,7 +201,8 @@ def main(argv=None):
               f"GPT ({n_params / 1e6:.1f}M), attention={args.attention}, {device.device_kind}")
     rate = f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a"
     print(f"done: validation loss {validation[-1]['loss']:.3f}, {rate} tokens/s; wrote "
-          f"{out_dir / 'log.json'} and {out_dir / 'loss.png'}")
+          f"{out_dir / 'log.json'}, {out_dir / 'loss.png'} and {out_dir / 'params.npz'} "
+          f"(python examples/generate.py {out_dir} samples from it)")
 
 
 if __name__ == "__main__":

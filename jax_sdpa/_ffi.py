@@ -17,8 +17,8 @@ COMMAND_BUFFERS_VARIABLE = "JAX_SDPA_COMMAND_BUFFERS"
 # By default a call is recorded into XLA's command buffers (CUDA graphs) when its work is at
 # most this many FLOPs (2 * query rows * keys * (H + Hv), masks ignored): ~0.1 ms of kernel time
 # or less on an H200, where launching and dispatching are a visible share of a call. Above it
-# recording gained nothing measurable (benchmarks.attention and benchmarks.plans, ninth
-# session: every large config within the tools' +-3%), so larger calls keep the plain targets.
+# recording gained nothing measurable (benchmarks.attention, benchmarks.plans), so larger calls
+# keep the plain targets.
 # Either way the workspace is XLA's (_call_with_workspace), so a recorded call holds no memory.
 COMMAND_BUFFER_MAX_FLOPS = 2 ** 36
 
@@ -70,7 +70,10 @@ def _preload_cudnn() -> None:
                 return
     except OSError:
         pass
-    spec = importlib.util.find_spec("nvidia.cudnn")
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except ModuleNotFoundError:  # no nvidia wheels at all: the extension's load says so
+        return
     for location in (spec.submodule_search_locations or []) if spec else []:
         for library in glob.glob(os.path.join(location, "lib", "libcudnn.so.9")):
             ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
@@ -85,7 +88,8 @@ def _load():
         _preload_cudnn()
         from jax_sdpa import _sdpa_ffi  # noqa: PLC0415 - loaded lazily, after JAX's backend
     except (ImportError, OSError) as error:
-        return None, f"the jax_sdpa C++ extension could not be loaded ({error})"
+        return None, (f"the jax_sdpa C++ extension could not be loaded ({error}); cuDNN comes "
+                      "with pip install 'jax_sdpa[cuda13]' (or [cuda12])")
     return _sdpa_ffi, None
 
 
@@ -133,8 +137,11 @@ def export_disabled_checks() -> list:
     return [export.DisabledSafetyCheck.custom_call(name) for name in target_names().values()]
 
 
-def cudnn_version() -> int:
-    """cuDNN version of the libcudnn in this process, e.g. 91900 for 9.19.0."""
+def cudnn_version() -> int | None:
+    """cuDNN version of the libcudnn in this process, e.g. 91900 for 9.19.0; None where the
+    extension cannot load (no cuDNN installed: pip install "jax_sdpa[cuda13]")."""
+    if extension_load_error() is not None:
+        return None
     return int(extension().cudnn_version())
 
 
@@ -143,7 +150,9 @@ def graph_cache_stats() -> dict:
     hits (calls that found their graph, in their executable or the cache), evictions, retired
     (graphs let go whose queued GPU work may still be running), and with a graph files
     directory (JAX_SDPA_GRAPH_CACHE_DIR) disk_loads, disk_writes, disk_rejects (files that
-    could not be used, writes that failed)."""
+    could not be used, writes that failed). Empty where the extension cannot load."""
+    if extension_load_error() is not None:
+        return {}
     return dict(extension().graph_cache_stats())
 
 

@@ -1,17 +1,16 @@
-"""One warning per distinct message per process: fallbacks are announced once, not per trace."""
+"""Warnings attributed to the caller's line: the first frame outside this package, so that
+Python's filters (and its once-per-location default) apply to the user's code, not ours."""
 
+import os
+import sys
 import warnings
 
-_seen: set[str] = set()
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn_once(message: str, stacklevel: int = 2) -> None:
-    """stacklevel counts from the caller of warn_once, as warnings.warn counts from its own."""
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-
-
-def reset() -> None:
-    """Forget what was announced (for tests)."""
-    _seen.clear()
+def warn(message: str) -> None:
+    """A RuntimeWarning at the line of the user's code that called into jax_sdpa."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jax_sdpa import fused_path, planning
-from jax_sdpa.reference import attention_reference
-from jax_sdpa.validation import validate
+from jax_sdpa.reference import attention_reference, large_negative
+from jax_sdpa.validation import AttentionCall, checked_residual_dtype, validate
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -15,7 +16,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
                           dropout_rng=None, query_segment_ids=None, kv_segment_ids=None,
                           max_segments=None, logits_soft_cap=None, sinks=None,
-                          max_document_length=None):
+                          max_document_length=None, residual_dtype=None):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -30,10 +31,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         past their length are zeroed.
       local_window_size: ``w`` or ``(left, right)``: query i sees keys ``i-left .. i+right``
         (measured from the diagonal that causal_alignment places).
-      implementation: ``None`` (cuDNN when it can run the call, else the XLA reference path with
-        a one-time warning naming why), ``"cudnn"`` (cuDNN or an error naming why), ``"xla"``.
-      return_residual: also return the log-sum-exp of each score row, float32 ``[batch..., T, N]``
-        (jax.nn casts it to the input dtype; we keep float32). It carries no gradient.
+      implementation: ``None`` (cuDNN when it can run the call, else the XLA reference path,
+        with a warning naming why only where that is a speed cliff: float16/bfloat16 inputs on
+        an NVIDIA GPU), ``"cudnn"`` (cuDNN or an error naming why), ``"xla"``.
+      return_residual: also return the log-sum-exp of each score row, ``[batch..., T, N]`` in
+        the inputs' dtype, as jax.nn; under stop_gradient (its cotangent is ignored). A row
+        that sees no key (masked, past a length) holds jax.nn's large negative fill.
       deterministic: cuDNN's deterministic backward (bitwise reproducible; slower). Not in
         jax.nn. The reference path is deterministic anyway.
       causal_alignment: ``"top_left"`` (jax.nn: query i sits at key i) or ``"bottom_right"``
@@ -61,9 +64,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         max_segments per row (and, with causal/window and kv_segment_ids, keys starting where
         their queries do) — what a packing data loader knows. cuDNN's ragged layout then runs
         one plan of B × max_segments documents of up to this many tokens, with no check on the
-        device and no exact fallback (the check's host round trips cost ~0.15 ms per fwd+bwd
-        call, 2026-11-30, H200): state max_segments as tightly too, since every slot of the
-        plan costs (on cuDNN 9.28 its backward helpers scale with slots × bound). A row that
+        device and no exact fallback (the check costs host round trips): state max_segments
+        as tightly too, since every slot of the plan costs. A row that
         breaks the statement is never silently wrong: its first query token's output and its
         residual rows come back NaN (and the gradients' first token rows). Static. The
         reference path is exact either way.
@@ -75,10 +77,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         denominator and contributes no value: weights become ``exp(s_ij) / (exp(sinks[n]) +
         sum_j exp(s_ij))``. Differentiable. A row that sees no key gives zeros (the sink takes
         all the weight), and the returned residual includes the sink. Not in jax.nn.
+      residual_dtype: None (the inputs' dtype, as jax.nn) or a float dtype for the residual,
+        e.g. ``jnp.float32`` for the kernels' own float32 log-sum-exp (to merge partial
+        attentions, say). Not in jax.nn.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
     """
+    residual_dtype = checked_residual_dtype(residual_dtype, query)
     call = validate(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     query_seq_lengths=query_seq_lengths,
                     key_value_seq_lengths=key_value_seq_lengths,
@@ -103,6 +109,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     output = output.reshape(call.output_shape)
     if not return_residual:
         return output
-    # [B, N, T] -> [batch..., T, N], as jax.nn's residual.
-    lse = jax.lax.stop_gradient(lse).swapaxes(-1, -2).reshape(call.output_shape[:-1])
-    return output, lse
+    return output, _residual(call, lse, residual_dtype)
+
+
+def _residual(call: AttentionCall, lse, dtype):
+    """lse [B, N, T] -> jax.nn's residual [batch..., T, N] in `dtype`, without a gradient. Rows
+    past a query length, and every row of a batch entry without keys, see no key: they hold
+    the fill of such rows (the sink's logit with sinks), whichever path computed them."""
+    lse = jax.lax.stop_gradient(lse)
+    batch, q_seq_len = call.query.shape[:2]
+    padded = jnp.zeros((batch, q_seq_len), bool)
+    if call.query_seq_lengths is not None:
+        padded |= jnp.arange(q_seq_len)[None, :] >= call.query_seq_lengths[:, None]
+    if call.key_value_seq_lengths is not None:
+        padded |= (call.key_value_seq_lengths <= 0)[:, None]
+    if call.query_seq_lengths is not None or call.key_value_seq_lengths is not None:
+        fill = (jnp.full((), large_negative(), lse.dtype) if call.sinks is None else
+                call.sinks.astype(lse.dtype)[None, :, None])
+        lse = jnp.where(padded[:, None, :], fill, lse)
+    return lse.swapaxes(-1, -2).reshape(call.output_shape[:-1]).astype(dtype)

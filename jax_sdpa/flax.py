@@ -8,7 +8,7 @@ Linen passes only the keywords this function names, NNX passes all of them (and 
 Attention dropout in training runs as jax_sdpa's dropout: one independent mask per batch entry
 and head (Flax's ``broadcast_dropout=True`` would share one mask across them). Whatever fused
 attention cannot do (sowing attention weights, custom einsums) runs through Flax's own
-attention, with a one-time warning naming why.
+attention (on an NVIDIA GPU with float16/bfloat16 inputs, with a warning naming why).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen
 
-from jax_sdpa import attention as _attention
-from jax_sdpa._warnings import warn_once
+from jax_sdpa import attention as _attention, planning
+from jax_sdpa._warnings import warn
 
 
 def _fold_leading(array, batch_shape):
@@ -60,7 +60,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         raise NotImplementedError(f"jax_sdpa.flax: logits_soft_cap and sinks need jax_sdpa's "
                                   f"attention, but {reason}")
     if reason is not None:
-        warn_once(f"jax_sdpa.flax: using Flax's attention because {reason}")
+        if planning.device_reason() is None and query.dtype in planning.CUDNN_DTYPES:
+            warn(f"jax_sdpa.flax: using Flax's attention because {reason}")
         if is_causal:
             causal = linen.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)
             mask = causal if mask is None else jnp.logical_and(mask, causal)

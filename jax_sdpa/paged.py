@@ -9,7 +9,7 @@ up to it. Forward only (inference).
 On an NVIDIA GPU this runs cuDNN's paged forward: the page table goes into the SDPA graph
 (cuDNN >= 9.5), which reads each sequence's pages in place, with cuDNN's padding mask and
 bottom-right band measured from the actual lengths. Elsewhere (or where cuDNN cannot, with a
-one-time warning) the reference path gathers the pages, then runs attention with the same
+warning on a GPU) the reference path gathers the pages, then runs attention with the same
 semantics.
 """
 
@@ -153,7 +153,7 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
       scale, local_window_size (w or (left, right) around the query's position),
       logits_soft_cap, sinks: as dot_product_attention.
       implementation: None (cuDNN's paged forward where it can run, else the reference path
-        with a one-time warning naming why), "cudnn" (or NotImplementedError naming why) or
+        with a warning naming why on a GPU), "cudnn" (or NotImplementedError naming why) or
         "xla" (the reference path).
 
     Returns ``[B, T, N, Hv]``. Forward only: differentiating it raises NotImplementedError.
@@ -198,7 +198,7 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     has_rows = (kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]) >= 0
     reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
                                    q_seq_len == 1 and window is not None)
-    if planning.use_cudnn(reason, implementation, "this paged_attention call"):
+    if planning.use_cudnn(reason, implementation, query.dtype, "this paged_attention call"):
         compute = functools.partial(_cudnn, _cudnn_config(scale, window, q_seq_len,
                                                           sinks is not None))
     else:

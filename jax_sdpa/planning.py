@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, debug
-from jax_sdpa._warnings import warn_once
+from jax_sdpa._warnings import warn
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.validation import AttentionCall
 
@@ -65,7 +65,7 @@ def device_reason() -> str | None:
                 "cuDNN flash attention needs 8.0 (Ampere) or newer")
     load_error = _ffi.extension_load_error()
     if load_error is not None:
-        return load_error + ": reinstall jax_sdpa with pip install '.[cuda13]'"
+        return load_error
     version = _ffi.cudnn_version()
     if version < MIN_CUDNN_VERSION:
         return (f"the loaded cuDNN is {version}; jax_sdpa needs cuDNN >= 9.0 "
@@ -122,7 +122,7 @@ def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap
     if q_seq_len == 1 and kv_seq_len == 1:
         return "cuDNN's backward does not support one query and one key (T = S = 1)"
     if logits_soft_cap is not None and bias_grad:
-        # Measured on the H200 (2026-11-30, cuDNN 9.19): dq, dk, dv right, dbias not.
+        # Measured on an H200 with cuDNN 9.19: dq, dk, dv right, dbias not.
         return ("cuDNN's bias gradient under logits_soft_cap (a score modifier) was wrong on "
                 "cuDNN 9.19")
     capability = _device_capability() if device_reason() is None else None
@@ -219,17 +219,19 @@ def call_reason(call: AttentionCall) -> str | None:
     return reason or soft_cap_reason(call.logits_soft_cap) or diagonal_band(call)[1]
 
 
-def use_cudnn(reason: str | None, implementation, subject: str = "this call") -> bool:
-    """True if cuDNN runs it; else the reference path with a one-time warning naming why
-    (implementation=None), or NotImplementedError (implementation="cudnn")."""
+def use_cudnn(reason: str | None, implementation, dtype, subject: str = "this call") -> bool:
+    """True if cuDNN runs it. Else the reference path: silently where nothing is lost (no GPU,
+    or inputs cuDNN never takes, as jax.nn picks XLA silently), with a warning naming why
+    where it is a speed cliff (implementation=None, float16/bfloat16 on an NVIDIA GPU), or
+    NotImplementedError naming why (implementation="cudnn")."""
     if implementation == "xla":
         return False
     if reason is None:
         return True
     if implementation == "cudnn":
         raise NotImplementedError(f"implementation='cudnn' cannot run {subject}: {reason}")
-    warn_once(f"jax_sdpa: using the XLA reference path for {subject} because {reason}",
-              stacklevel=3)
+    if device_reason() is None and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES):
+        warn(f"jax_sdpa: using the XLA reference path for {subject} because {reason}")
     return False
 
 
@@ -247,7 +249,7 @@ def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
 
 
 def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan | None:
-    """The cuDNN plan of a validated call, or None for the reference path (after the one-time
+    """The cuDNN plan of a validated call, or None for the reference path (after its
     warning, or NotImplementedError with implementation="cudnn")."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
@@ -257,7 +259,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
     if backward is not None and call.dropout_rate > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
-    if not use_cudnn(reason, implementation):
+    if not use_cudnn(reason, implementation, call.query.dtype):
         return None
     band, _ = diagonal_band(call)
     backward_kernel = None
@@ -265,8 +267,8 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         if implementation == "cudnn":
             raise NotImplementedError(f"implementation='cudnn' cannot run this call's "
                                       f"backward: {backward}")
-        warn_once(f"jax_sdpa: the backward of this call takes the XLA reference path because "
-                  f"{backward}", stacklevel=2)
+        warn(f"jax_sdpa: the backward of this call takes the XLA reference path because "
+             f"{backward}")
         backward_kernel = "xla"
     segments, dense_segments = "", False
     if call.query_segment_ids is not None:
@@ -274,8 +276,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         if dense_reason is None:
             segments = "self" if call.kv_segment_ids is None else "cross"
         else:
-            warn_once(f"jax_sdpa: segment ids take the dense path because {dense_reason}",
-                      stacklevel=2)
+            warn(f"jax_sdpa: segment ids take the dense path because {dense_reason}")
             dense_segments = True
     config = KernelConfig(
         scale=call.scale, window_left=band.left, window_right=band.right,

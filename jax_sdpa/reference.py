@@ -68,54 +68,59 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
                         kv_segment_ids=None, logits_soft_cap=None, sinks=None):
     """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
-    Scores and softmax are float32 whatever the input dtype. Dropout (dropout_rate > 0) keeps
+    Scores and softmax are float32 for float16/bfloat16/float32 inputs. Dropout (dropout_rate > 0) keeps
     each weight with probability 1 - rate and scales kept weights by 1 / (1 - rate); the keep
     mask is drawn from dropout_rng, or given as dropout_keep ([B, N, T, S], e.g. cuDNN's own
     mask in a test). logits_soft_cap: scaled scores become cap * tanh(scores / cap), before the
     bias and masks. sinks: float [N], one logit per query head that joins each row's softmax
     denominator (a row that sees no key then gives zeros). Returns (output [B, T, N, Hv] in the
-    query's dtype, lse [B, N, T] float32): lse is the log-sum-exp of each row of masked scores
-    (and the sink), before dropout.
+    query's dtype, lse [B, N, T] float32, float64 for float64 inputs): lse is the log-sum-exp
+    of each row of masked scores (and the sink), before dropout.
     """
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, _ = key.shape
     groups = q_heads // kv_heads
-    grouped_query = query.reshape(batch, q_seq_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum("btkgh,bskh->bkgts", grouped_query, key,
-                        preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST)
-    logits = logits.reshape(batch, q_heads, q_seq_len, kv_seq_len) * jnp.float32(scale)
+    # Scores, softmax and both products in float32 (float64 for float64 inputs, as jax.nn).
+    compute = jnp.float64 if jnp.dtype(query.dtype) == jnp.float64 else jnp.float32
+    precision = jax.lax.Precision.HIGHEST
+    # Each query head against its key/value head, as four-axis products: XLA's CPU dot of a
+    # five-axis grouped form rounds worse (1.6x jax.nn's error on scores, float32).
+    if groups > 1:
+        key, value = (jnp.repeat(x, groups, axis=2) for x in (key, value))
+    logits = jnp.einsum("btnh,bsnh->bnts", query, key, precision=precision,
+                        preferred_element_type=compute) * jnp.asarray(scale, compute)
     if logits_soft_cap is not None:
-        cap = jnp.float32(logits_soft_cap)
+        cap = jnp.asarray(logits_soft_cap, compute)
         logits = cap * jnp.tanh(logits / cap)
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
+        logits = logits + bias.astype(compute)
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
                          local_window_size=local_window_size, diagonal_offset=diagonal_offset,
                          query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids)
     if keep is not None:
-        logits = jnp.where(keep, logits, large_negative())
+        logits = jnp.where(keep, logits, jnp.asarray(large_negative(), compute))
     lse = jax.nn.logsumexp(logits, axis=-1)
     if sinks is None:
         # softmax, not exp(logits - lse): for a fully masked row lse rounds to the fill value.
         probs = jax.nn.softmax(logits, axis=-1)
     else:
-        lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+        lse = jnp.logaddexp(lse, sinks.astype(compute)[None, :, None])
         probs = jnp.exp(logits - lse[..., None])
     if dropout_rate > 0.0:
         if dropout_keep is None:
             dropout_keep = dropout_keep_mask(dropout_rng, dropout_rate, probs.shape)
-        probs = jnp.where(dropout_keep.astype(bool), probs / (1.0 - dropout_rate), 0.0)
-    probs = probs.astype(value.dtype)
-    probs = probs.reshape(batch, kv_heads, groups, q_seq_len, kv_seq_len)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, value, preferred_element_type=jnp.float32,
-                     precision=jax.lax.Precision.HIGHEST)
-    out = out.reshape(batch, q_seq_len, q_heads, value.shape[-1])
+        probs = jnp.where(dropout_keep.astype(bool), probs / (1.0 - dropout_rate),
+                          jnp.zeros((), probs.dtype))
+    probs = probs.astype(value.dtype)  # the weights in the values' dtype, as jax.nn's
+    # In the values' dtype, as jax.nn (accumulated in float32; XLA's CPU backend has no dot of
+    # transposed bfloat16 operands with a float32 result).
+    out = jnp.einsum("bnts,bsnh->btnh", probs, value, precision=precision)
+    zero = jnp.zeros((), out.dtype)
     if query_seq_lengths is not None:
         valid = jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None]
-        out = out * valid[:, :, None, None]
+        out = jnp.where(valid[:, :, None, None], out, zero)
     if key_value_seq_lengths is not None:
-        out = out * (key_value_seq_lengths > 0)[:, None, None, None]
+        out = jnp.where((key_value_seq_lengths > 0)[:, None, None, None], out, zero)
     return out.astype(query.dtype), lse

@@ -167,7 +167,8 @@ def _implementation(query, key, value, requested, q_block, kv_block, logits_soft
     reason = reason or planning.soft_cap_reason(logits_soft_cap)
     reason = reason or planning.backward_reason(q_block, kv_block, query.shape[-1],
                                                 value.shape[-1], logits_soft_cap)
-    return "cudnn" if planning.use_cudnn(reason, requested, "this ring attention") else "xla"
+    return "cudnn" if planning.use_cudnn(reason, requested, query.dtype,
+                                                "this ring attention") else "xla"
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
@@ -178,7 +179,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     query [B, T/P, N, H] and key/value [B, S/P, K, H] are this device's blocks (T = S when
     causal). layout="contiguous": device d holds block d; "zigzag": device d holds chunks d and
     2P-1-d of 2P (causal load balance; see zigzag_permute). implementation: None (cuDNN block
-    kernels where they can run, else the reference path with a one-time warning naming why),
+    kernels where they can run, else the reference path, with a warning naming why on a GPU),
     "cudnn" (or NotImplementedError naming why) or "xla". logits_soft_cap and sinks (float
     [N], replicated over the ring axis) as in dot_product_attention: the sinks join each row's
     merged denominator once. strategy="ring": key/value blocks travel around the ring,

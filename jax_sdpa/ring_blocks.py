@@ -35,8 +35,7 @@ def split_chunks(x, parts, axis=1):
 
 
 def _config(implementation, scores, kind, has_lengths):
-    # A ring's blocks follow the rule of every call (_ffi.records_into_command_buffers): recorded
-    # blocks between collectives ran green on two GPUs (tenth session, nvidia-h200-x2).
+    # A ring's blocks follow the rule of every call (_ffi.records_into_command_buffers).
     return KernelConfig(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
                         has_lengths=has_lengths, implementation=implementation,
                         command_buffer=_ffi.command_buffers(),

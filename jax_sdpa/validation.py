@@ -12,6 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+class DtypeError(TypeError, ValueError):
+    """An argument of the wrong dtype: a TypeError, and the ValueError that
+    jax.nn.dot_product_attention raises for the same input, so code catching either works."""
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
@@ -95,7 +100,7 @@ def _int32_array(value, name, shape, shape_text):
     given_dtype = getattr(value, "dtype", None)
     array = _as_array(value, name)
     if (given_dtype if given_dtype is not None else array.dtype) != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
+        raise DtypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
     if array.shape != shape:
         raise ValueError(f"{name} must have shape {shape_text} = {shape}, got {array.shape}")
     return array
@@ -205,6 +210,19 @@ def _dropout(dropout_rate, dropout_rng):
     return rate, rng
 
 
+def checked_residual_dtype(value, query):
+    """The residual's dtype: the query's (as jax.nn) for None, else a floating dtype."""
+    if value is None:
+        return jnp.result_type(query)
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as error:
+        raise TypeError(f"residual_dtype must be None or a float dtype, got {value!r}") from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"residual_dtype must be None or a float dtype, got {dtype}")
+    return dtype
+
+
 def checked_soft_cap(cap):
     """cap as a positive finite float, or None."""
     if cap is None:
@@ -250,7 +268,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     for array, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_float(array, name)
     if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, "
+        raise DtypeError(f"query, key and value must share one dtype, got {query.dtype}, "
                         f"{key.dtype} and {value.dtype}")
     if not query.ndim == key.ndim == value.ndim:
         raise ValueError(f"query, key and value must have the same rank, got shapes "
@@ -281,7 +299,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if mask is not None:
         mask = _as_array(mask, "mask")
         if mask.dtype != jnp.bool_:
-            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
+            raise DtypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
         mask = _broadcastable_4d(mask, target, "mask")
     q_ids, kv_ids = _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len,
                                  kv_seq_len)

@@ -41,7 +41,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
                      is_causal=False, local_window_size=None, implementation=None,
                      return_residual=False, deterministic=False, dropout_rate=0.0,
                      dropout_rng=None, logits_soft_cap=None, sinks=None, max_seqlen_q=None,
-                     max_seqlen_kv=None):
+                     max_seqlen_kv=None, residual_dtype=None):
     """Attention of each sequence within itself, sequences packed along the token axis.
 
     Args:
@@ -61,7 +61,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         than stated makes the first token's output NaN, never a silently wrong value.
       The other arguments: as dot_product_attention.
 
-    Returns ``[total_q, N, Hv]`` (and with return_residual the float32 lse ``[total_q, N]``).
+    Returns ``[total_q, N, Hv]`` (and with return_residual the log-sum-exp ``[total_q, N]``, in
+    the inputs' dtype or residual_dtype).
     Runs as dot_product_attention with query_segment_ids on one row, max_segments the number of
     sequences (+1 for padding): on cuDNN's ragged layout each sequence costs its own tokens.
     """
@@ -94,7 +95,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         kv_segment_ids=kv_ids, max_segments=cu_q.shape[0],
         query_seq_lengths=cu_q[-1:], key_value_seq_lengths=cu_kv[-1:],
         logits_soft_cap=logits_soft_cap, sinks=sinks,
-        max_document_length=_max_seqlen(max_seqlen_q, max_seqlen_kv))
+        max_document_length=_max_seqlen(max_seqlen_q, max_seqlen_kv),
+        residual_dtype=residual_dtype)
     if return_residual:
         output, lse = result
         return output[0], lse[0]

@@ -2,18 +2,44 @@
 # Creates .venv (if needed) with everything jax_sdpa needs, and builds the C++ extension into it
 # (an editable install: edits to jax_sdpa/*.py apply at once; ffi/*.cc rebuild on the next run).
 # A compile error in ffi/ fails this script. Uses python3 (3.10+) unless PYTHON is set.
+# With an NVIDIA GPU (nvidia-smi answers) it installs the CUDA 13 runtime too (the cuda13
+# extra and jax[cuda13]); without one, only what building the extension needs: cuDNN's and the
+# CUDA runtime's wheels without their own dependencies (cuBLAS and the rest are for running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
+fail() { echo "setup_env.sh: $*" >&2; exit 1; }
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || fail "$("$python" --version 2>&1) is too old: jax_sdpa needs Python 3.10 or newer (set PYTHON)"
 if [ ! -x .venv/bin/python ]; then
-  "$python" -m venv .venv
+  echo "setup_env.sh: creating .venv with $("$python" --version 2>&1)"
+  "$python" -m venv .venv || fail "could not create .venv with $python (is python3-venv installed?)"
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+pip() { python -m pip --disable-pip-version-check --progress-bar off "$@"; }
+pip install -q --upgrade pip || fail "could not upgrade pip in .venv"
 # The build requirements, read from pyproject.toml, installed once into the venv so that the
 # extension builds without an isolated environment (cuDNN's wheel is large).
-mapfile -t build_requires < <(python -c \
-  "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['build-system']['requires']))")
-python -m pip install -q "${build_requires[@]}" ninja cmake
-python -m pip install -q --no-build-isolation -Ceditable.rebuild=false -e ".[cuda13,test,examples]"
+build_requires=$(python scripts/build_requires.py) \
+  || fail "could not read [build-system] requires from pyproject.toml"
+mapfile -t build_requires <<<"$build_requires"
+nvidia=() other=()
+for requirement in "${build_requires[@]}"; do
+  case "$requirement" in nvidia-*) nvidia+=("$requirement") ;; *) other+=("$requirement") ;; esac
+done
+if nvidia-smi -L >/dev/null 2>&1; then
+  extras="cuda13,test,examples"
+  gpu_packages=("jax[cuda13]")
+  echo "setup_env.sh: NVIDIA GPU found: installing the CUDA 13 runtime as well"
+else
+  extras="test,examples"
+  gpu_packages=()
+  echo "setup_env.sh: no NVIDIA GPU: installing what building the extension needs, not the CUDA runtime"
+fi
+echo "setup_env.sh: installing build requirements: ${build_requires[*]} ninja cmake"
+pip install "${other[@]}" ninja cmake || fail "the build requirements did not install (pip's messages above say why)"
+pip install --no-deps "${nvidia[@]}" || fail "the CUDA/cuDNN wheels did not install (pip's messages above say why)"
+echo "setup_env.sh: building the C++ extension and installing jax_sdpa[$extras] (about 2 minutes)"
+pip install --no-build-isolation -Ceditable.rebuild=false -e ".[$extras]" "${gpu_packages[@]}" \
+  || fail "building or installing jax_sdpa failed: the compiler's or pip's messages above say why"
 python -c "import jax_sdpa; print('jax_sdpa', jax_sdpa.__version__, 'with cuDNN', jax_sdpa.cudnn_version())"

@@ -29,17 +29,29 @@ def pytest_collection_modifyitems(config, items):
 def fresh_traces():
     """JAX's caches cleared before and after the test: our kernels' traces are cached by their
     config, so a test that patches what a trace reads (the workspace's size, the GPU) must trace
-    afresh, and must leave no patched trace behind for the tests after it in its worker (tenth
-    session: an order-dependent failure of test_lowering's no-GPU case on the H200)."""
+    afresh, and must leave no patched trace behind for the tests after it in its worker."""
     jax.clear_caches()
     yield
     jax.clear_caches()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Skips counted by reason, one line each (without a GPU hundreds share one reason)."""
+    counts = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    if counts:
+        terminalreporter.section("skipped, by reason")
+        for reason, count in sorted(counts.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:4d}  {reason}")
+
+
 def pytest_runtest_logreport(report):
     """With JAX_SDPA_FAILURES_FILE set (scripts/gpu_check.sh), each failed test's name goes to
     that file as it fails: a device call cut by its time limit loses pytest's summary, and with
-    it the names (eighth and ninth sessions)."""
+    it the names."""
     path = os.environ.get("JAX_SDPA_FAILURES_FILE")
     if path and report.failed:
         with open(path, "a") as failures:

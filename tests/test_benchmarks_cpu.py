@@ -206,10 +206,10 @@ def lowered_packed_plans(q, ids):
 
 
 def test_a_patched_variant_is_traced_alone_and_caches_are_cleared_around_it(monkeypatch):
-    """packed_compile's variants patch module globals while they trace. On the H200 (2026-11-30,
-    sixth session) the shipped packed call compiled after those variants ran the last variant's
-    plan (cuDNN's launch grid showed it) until the patch cleared JAX's caches on the way in and
-    out; a CPU lowering does not reproduce the leak, so this checks both halves: what a patch
+    """packed_compile's variants patch module globals while they trace. On a GPU a packed call
+    compiled after such a variant can reuse its cached trace (the last variant's plan) unless
+    the patch clears JAX's caches on the way in and out; a CPU lowering does not reproduce the
+    leak, so this checks both halves: what a patch
     changes is traced and undone, and the caches are cleared around it. Lowered for CUDA."""
     import jax
     import jax_sdpa

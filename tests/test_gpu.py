@@ -83,12 +83,16 @@ def test_sequence_lengths(q_seq, kv_seq, is_causal):
 def test_return_residual_is_the_log_sum_exp():
     q, k, v, _ = random_qkv(5, 2, 300, 200, 8, 2, 64, jnp.bfloat16)
     out, lse = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                              return_residual=True)
+                                              return_residual=True, residual_dtype=jnp.float32)
     _, lse_ref = jax_sdpa.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                 is_causal=True, implementation="xla",
                                                 return_residual=True)
     assert lse.shape == (2, 300, 8) and lse.dtype == jnp.float32
     assert relative_error(lse, lse_ref) < 1e-3
+    _, lse_default = jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
+                                                    implementation="cudnn", return_residual=True)
+    assert lse_default.dtype == jnp.bfloat16  # jax.nn's: the inputs' dtype
+    np.testing.assert_array_equal(np.asarray(lse_default), np.asarray(lse.astype(jnp.bfloat16)))
 
 
 def test_every_output_element_is_written():

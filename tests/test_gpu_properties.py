@@ -20,9 +20,9 @@ from conftest import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
 CASES = int(os.environ.get("JAX_SDPA_GPU_CASES", "300"))
-# Case numbers that once failed, run whatever JAX_SDPA_GPU_CASES says. 2026-11-29, first run
-# (cuDNN 9.19, H200): rows that see no key because of key lengths with a mask, segment ids or
-# a window (cuDNN left them to the kernel; now made uniform as in the reference path).
+# Case numbers that once failed, run whatever JAX_SDPA_GPU_CASES says: rows that see no key
+# because of key lengths with a mask, segment ids or a window (cuDNN leaves them to the kernel;
+# the fused path makes them uniform as in the reference path).
 REGRESSIONS = [0, 2, 17, 118, 122, 125, 134, 181, 240, 266, 268]
 
 
@@ -65,7 +65,7 @@ def draw_problem(rng):
         kwargs["local_window_size"] = (int(rng.integers(0, 300)), int(rng.integers(0, 300)))
         if "key_value_seq_lengths" in kwargs:
             # A row whose window lies past its keys' length sees nothing through padding, which
-            # cuDNN and the reference treat differently (docs/NOTES.md): keep keys reachable.
+            # cuDNN and the reference treat differently: keep keys reachable.
             kwargs["key_value_seq_lengths"] = np.full(b, s, np.int32)
     return [x.astype(dtype) for x in (q, k, v, d_out)], kwargs
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _warnings, debug
+from jax_sdpa import debug
 from conftest import assert_close_to_reference, random_qkv, relative_error, target
 from test_gpu import B, H, K, N, S, T, option_kwargs
 
@@ -80,7 +80,6 @@ def test_soft_cap_on_cudnn(option):
 def test_soft_cap_with_a_bias_gradient_takes_the_reference_backward():
     """cuDNN 9.19 gave a wrong dbias under the soft-cap score modifier: by default the backward
     takes the reference path (warning), implementation="cudnn" refuses before running."""
-    _warnings.reset()
     with pytest.warns(RuntimeWarning, match="bias gradient under logits_soft_cap"):
         check("bias1NTS+causal", cap=CAP, with_sinks=True, implementation=None)
     q, k, v, _ = random_qkv(7, B, T, S, N, K, H, jnp.bfloat16)

@@ -1,9 +1,8 @@
-"""The README's signature block of dot_product_attention names exactly the function's parameters,
+"""The README's parameter table of dot_product_attention names exactly the function's parameters,
 in order (a keyword added to the code but not to the README, or the reverse, fails here)."""
 
 import inspect
 import pathlib
-import re
 
 import jax_sdpa
 
@@ -12,16 +11,11 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def readme_parameters():
     text = README.read_text()
-    match = re.search(r"```python\njax_sdpa\.dot_product_attention\((.*?)\)\n```", text, re.S)
-    assert match, "the README has no dot_product_attention signature block"
-    names = []
-    for part in match.group(1).split(","):
-        part = part.strip()
-        if part and part != "*":
-            names.append(part.split("=")[0].strip())
-    return names
+    assert "<!-- parameters:start -->" in text, "the README has no parameter table"
+    table = text.split("<!-- parameters:start -->")[1].split("<!-- parameters:end -->")[0]
+    return [line.strip("|").split("|")[0].strip() for line in table.strip().splitlines()[2:]]
 
 
-def test_readme_signature_names_every_parameter_in_order():
+def test_readme_parameter_table_names_every_parameter_in_order():
     code = list(inspect.signature(jax_sdpa.dot_product_attention).parameters)
     assert readme_parameters() == code

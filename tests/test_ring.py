@@ -145,23 +145,29 @@ def test_ring_rejects_bad_blocks():
         ring_attention(q, q[:, :4], q[:, :4], axis_name="seq", is_causal=True)
 
 
-def test_ring_falls_back_as_dot_product_attention_does():
-    """The ring decides through jax_sdpa.planning too: a mesh cuDNN cannot serve gives one
-    warning naming why (implementation=None), or NotImplementedError (implementation='cudnn')."""
+@pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "gpu_patched_in"])
+def test_ring_falls_back_as_dot_product_attention_does(gpu, monkeypatch):
+    """The ring decides through jax_sdpa.planning too: a mesh cuDNN cannot serve takes the
+    reference path, silently without a GPU, with one warning per calling line naming why with
+    one (bfloat16, implementation=None); implementation='cudnn' raises NotImplementedError."""
     import warnings  # noqa: PLC0415
-    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
-    x = jnp.ones((1, 64, 2, 32), jnp.float32)
+    if gpu:
+        monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    elif jax_sdpa.planning.device_reason() is None:
+        pytest.skip("a GPU is present")
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("seq",))
+    x = jnp.ones((1, 64, 2, 32), jnp.bfloat16)
 
     def ring(implementation):
         return jax.shard_map(lambda q, k, v: ring_attention(
             q, k, v, axis_name="seq", implementation=implementation), mesh=mesh,
             in_specs=P(None, "seq"), out_specs=P(None, "seq"))(x, x, x)
-    jax_sdpa._warnings.reset()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter("default")
         ring(None)
         ring(None)
     messages = [str(w.message) for w in caught if "ring attention" in str(w.message)]
-    assert len(messages) == 1 and "reference path" in messages[0], messages
+    assert len(messages) == (1 if gpu else 0), messages
+    assert all("reference path" in m for m in messages)
     with pytest.raises(NotImplementedError, match="implementation='cudnn' cannot run this ring"):
         ring("cudnn")
