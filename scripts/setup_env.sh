@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) with everything jax_sdpa needs, and builds the C++ extension into it
 # (an editable install: edits to jax_sdpa/*.py apply at once; ffi/*.cc rebuild on the next run).
-# A compile error in ffi/ fails this script. Uses python3 (3.10+) unless PYTHON is set.
+# A compile error in ffi/ fails this script. Uses python3 (3.11+) unless PYTHON is set.
 # With an NVIDIA GPU (nvidia-smi answers) it installs the CUDA 13 runtime too (the cuda13
 # extra and jax[cuda13]); without one, only what building the extension needs: cuDNN's and the
 # CUDA runtime's wheels without their own dependencies (cuBLAS and the rest are for running).
@@ -9,8 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 fail() { echo "setup_env.sh: $*" >&2; exit 1; }
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-  || fail "$("$python" --version 2>&1) is too old: jax_sdpa needs Python 3.10 or newer (set PYTHON)"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || fail "$("$python" --version 2>&1) is too old: jax_sdpa needs JAX 0.10 or newer, which runs on Python 3.11 or newer (set PYTHON=python3.11)"
 if [ ! -x .venv/bin/python ]; then
   echo "setup_env.sh: creating .venv with $("$python" --version 2>&1)"
   "$python" -m venv .venv || fail "could not create .venv with $python (is python3-venv installed?)"
@@ -20,7 +20,7 @@ pip() { python -m pip --disable-pip-version-check --progress-bar off "$@"; }
 pip install -q --upgrade pip || fail "could not upgrade pip in .venv"
 # The build requirements, read from pyproject.toml, installed once into the venv so that the
 # extension builds without an isolated environment (cuDNN's wheel is large).
-build_requires=$(python scripts/build_requires.py) \
+build_requires=$(python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))") \
   || fail "could not read [build-system] requires from pyproject.toml"
 mapfile -t build_requires <<<"$build_requires"
 nvidia=() other=()
