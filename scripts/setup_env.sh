@@ -16,7 +16,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv || fail "could not create .venv with $python (is python3-venv installed?)"
 fi
 . .venv/bin/activate
-pip() { python -m pip --disable-pip-version-check --progress-bar off "$@"; }
+pip() { python -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip || fail "could not upgrade pip in .venv"
 # The build requirements, read from pyproject.toml, installed once into the venv so that the
 # extension builds without an isolated environment (cuDNN's wheel is large).
