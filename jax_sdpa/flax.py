@@ -60,7 +60,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         raise NotImplementedError(f"jax_sdpa.flax: logits_soft_cap and sinks need jax_sdpa's "
                                   f"attention, but {reason}")
     if reason is not None:
-        if planning.device_reason() is None and query.dtype in planning.CUDNN_DTYPES:
+        if planning.fallback_costs_speed(query.dtype):
             warn(f"jax_sdpa.flax: using Flax's attention because {reason}")
         if is_causal:
             causal = linen.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)

@@ -230,9 +230,15 @@ def use_cudnn(reason: str | None, implementation, dtype, subject: str = "this ca
         return True
     if implementation == "cudnn":
         raise NotImplementedError(f"implementation='cudnn' cannot run {subject}: {reason}")
-    if device_reason() is None and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES):
+    if fallback_costs_speed(dtype):
         warn(f"jax_sdpa: using the XLA reference path for {subject} because {reason}")
     return False
+
+
+def fallback_costs_speed(dtype) -> bool:
+    """Whether leaving cuDNN loses speed a user expects: an NVIDIA GPU is there and the inputs
+    are float16/bfloat16 (elsewhere jax.nn, too, runs XLA silently)."""
+    return device_reason() is None and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES)
 
 
 def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
