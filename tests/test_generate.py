@@ -42,17 +42,25 @@ def test_paged_decode_gives_the_full_forward_logits(variants):
     padded = np.zeros((3, width), np.int32)
     for row, n in enumerate(lengths):
         padded[row, width - n:] = tokens[row, :n]
+    graphdef, state = nnx.split(model)  # jitted, as examples/generate.py runs it
+
+    @jax.jit
+    def decode(state, tokens, caches, start):
+        return nnx.merge(graphdef, state).decode(tokens, caches, table, start)
+
+    @jax.jit
+    def forward(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
     with jax.default_matmul_precision("float32"):
-        logits, caches = model.decode(jnp.asarray(padded), caches, table,
-                                      jnp.asarray(lengths - width))
+        logits, caches = decode(state, jnp.asarray(padded), caches, jnp.asarray(lengths - width))
         decoded = [logits[:, -1]]
         for i in range(steps):
             next_tokens = tokens[np.arange(3), lengths + i][:, None]
-            logits, caches = model.decode(jnp.asarray(next_tokens), caches, table,
-                                          jnp.asarray(lengths + i))
+            logits, caches = decode(state, jnp.asarray(next_tokens), caches,
+                                    jnp.asarray(lengths + i))
             decoded.append(logits[:, 0])
         for row, n in enumerate(lengths):
-            full = model(jnp.asarray(tokens[row:row + 1, :n + steps]))[0]
+            full = forward(state, jnp.asarray(tokens[row:row + 1, :n + steps]))[0]
             for i, step_logits in enumerate(decoded):
                 np.testing.assert_allclose(step_logits[row], full[n - 1 + i], rtol=1e-4,
                                            atol=1e-4)

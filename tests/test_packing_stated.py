@@ -4,6 +4,7 @@ keep the statement match the reference (values and gradients); rows that break i
 at their first token, never silently wrong, while the other rows stay right. On a GPU the real
 ragged calls run; elsewhere the emulated ones (tests/ragged_emulator.py)."""
 
+import functools
 import re
 
 import jax
@@ -51,9 +52,9 @@ def _broken_rows_case(rows, **kwargs):
                                               implementation=implementation, is_causal=True,
                                               **(kwargs if implementation == "cudnn" else {}))
     ours = jax.jit(attention, static_argnums=1)(q, "cudnn")
-    ref = attention(q.astype(jnp.float32), "xla")
-    dq = jax.grad(lambda q: jnp.vdot(attention(q, "cudnn").astype(jnp.float32),
-                                     d_out.astype(jnp.float32)))(q)
+    ref = jax.jit(attention, static_argnums=1)(q.astype(jnp.float32), "xla")
+    dq = jax.jit(jax.grad(lambda q: jnp.vdot(attention(q, "cudnn").astype(jnp.float32),
+                                             d_out.astype(jnp.float32))))(q)
     return ours, ref, dq
 
 
@@ -75,12 +76,15 @@ def test_varlen_max_seqlen_is_the_statement(emulated_cudnn):
     cu = jnp.array([0, 5, 5, 17, 30], jnp.int32)
     q, k, v = (jax.random.normal(jax.random.key(i), (30, 4, 16)).astype(jnp.bfloat16)
                for i in range(3))
-    ref = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="xla")
-    kept = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="cudnn",
-                                     max_seqlen_q=13)
+
+    @functools.partial(jax.jit, static_argnames=("implementation", "max_seqlen_q"))
+    def varlen(q, k, v, implementation, max_seqlen_q=None):
+        return jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True,
+                                         implementation=implementation, max_seqlen_q=max_seqlen_q)
+    ref = varlen(q, k, v, "xla")
+    kept = varlen(q, k, v, "cudnn", max_seqlen_q=13)
     assert relative_error(kept, ref) < 2e-2
-    broken = jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="cudnn",
-                                       max_seqlen_q=12)  # the last sequence holds 13
+    broken = varlen(q, k, v, "cudnn", max_seqlen_q=12)  # the last sequence holds 13
     assert np.all(np.isnan(np.asarray(broken[0], np.float32)))
 
 
