@@ -17,17 +17,28 @@ from conftest import relative_error
 B, T, N, K, H = 2, 48, 4, 2, 32
 
 
-@pytest.fixture
-def emulated_cudnn(monkeypatch):
-    """dot_product_attention(implementation="cudnn"): cuDNN on a GPU; elsewhere the emulated
-    ragged calls. Document length bounds down to 4 tokens, so that these short rows exercise
-    the choice among bounds (jax_sdpa/kernels.py) too."""
-    monkeypatch.setattr(kernels, "_SHORTEST_BOUND", 4)
+def _emulate_cudnn(monkeypatch, every_bound):
+    """dot_product_attention(implementation="cudnn"): cuDNN on a GPU, with document length
+    bounds down to 4 tokens, so that these short rows exercise the choice among bounds
+    (jax_sdpa/kernels.py) too; elsewhere the emulated ragged calls, where each bound is one
+    more emulation for XLA to compile, so only tests asking for every_bound get them all."""
+    if planning.device_reason() is None or every_bound:
+        monkeypatch.setattr(kernels, "_SHORTEST_BOUND", 4)
     if planning.device_reason() is None:
         return
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
     monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)
+
+
+@pytest.fixture
+def emulated_cudnn(monkeypatch):
+    _emulate_cudnn(monkeypatch, every_bound=False)
+
+
+@pytest.fixture
+def emulated_cudnn_every_bound(monkeypatch):
+    _emulate_cudnn(monkeypatch, every_bound=True)
 
 
 def runs(*lengths_and_ids):
@@ -76,7 +87,7 @@ def check(q, k, v, d_out, **kwargs):
 @pytest.mark.parametrize("rows,mask", [(rows, "causal") for rows in sorted(ROWS)] + [
     ("contiguous", "full"), ("unsorted_ids", "full"), ("padding_id_last", "window"),
     ("single_tokens", "window"), ("reused_id", "window")])
-def test_self_packed_matches_segment_semantics(rows, mask, emulated_cudnn):
+def test_self_packed_matches_segment_semantics(rows, mask, emulated_cudnn_every_bound):
     ids = jnp.asarray(np.stack(ROWS[rows]))
     kwargs = dict(query_segment_ids=ids, is_causal=mask == "causal",
                   local_window_size=(5, 2) if mask == "window" else None)
@@ -103,7 +114,8 @@ def test_document_table_says_when_it_cannot_hold_the_ids(rows, max_segments, ok)
 
 
 @pytest.mark.parametrize("max_segments", [2, 64])
-def test_rows_with_more_documents_than_slots_are_exact(max_segments, emulated_cudnn):
+def test_rows_with_more_documents_than_slots_are_exact(max_segments,
+                                                     emulated_cudnn_every_bound):
     ids = jnp.asarray(np.stack(ROWS["contiguous"]))
     check(*qkv(3), query_segment_ids=ids, is_causal=True, max_segments=max_segments)
 
