@@ -30,7 +30,7 @@ from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_f
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks import packed
 from benchmarks.implementations import available
-from jax_sdpa import _ffi, kernels
+from jax_sdpa import _extension, kernels
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
 
 
@@ -57,7 +57,7 @@ def buffer_sets(config, direction, inputs):
 def devtools():
     """The developer-tools extension (ffi/devtools/), loaded after the product's (which loads
     the process's cuDNN first)."""
-    _ffi.extension()
+    _extension.extension()
     from jax_sdpa import _sdpa_devtools  # noqa: PLC0415
 
     return _sdpa_devtools

@@ -13,9 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "call_attributes.h"
 #include "call_state.h"
 #include "graph_cache.h"
 #include "sdpa_handlers.h"
+#include "workspace_planning.h"
 
 namespace nb = nanobind;
 

@@ -16,17 +16,13 @@
 // the batch, or, for a bias shared across the batch, a seed or documents per slice, become
 // repeated executions of one graph.
 // With the workspace_result attribute, the last result is a uint8 buffer XLA allocated for the
-// call's cuDNN workspace, sized by PlannedWorkspaceBytes when Python planned the call.
+// call's cuDNN workspace, sized by PlannedWorkspaceBytes (workspace_planning.h) when Python
+// planned the call.
 // The *CommandBuffer handlers are the same, marked so that XLA may record them into its command
 // buffers (CUDA graphs).
 // Each target pairs an execute handler with CallStateInstantiateHandler, which creates the
 // per-call state (call_state.h) when XLA loads an executable.
 #pragma once
-
-#include <cstdint>
-#include <map>
-#include <string>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -37,22 +33,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaForwardHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaBackwardHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaForwardCommandBufferHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SdpaBackwardCommandBufferHandler);
-
-// An operand as Python describes it when it plans a call: dtype name ("bfloat16", "int32", ...)
-// and dims.
-struct OperandShape {
-  std::string dtype;
-  std::vector<int64_t> dims;
-};
-
-// The cuDNN workspace in bytes a call with these operands (the handler's, in its order) and
-// attributes (by name) needs on `device`, whose graph this builds, or finds in the process's
-// cache; the call then finds it there. An error carries the planner's or cuDNN's message.
-xla::ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(bool backward, int32_t device,
-                                            const std::vector<OperandShape>& operands,
-                                            const std::map<std::string, double>& attributes);
-
-// The attribute names both handlers decode, in order: what Python must send (tests compare).
-std::vector<std::string> HandlerAttributeNames();
 
 }  // namespace jax_sdpa

@@ -6,8 +6,8 @@ from jax_sdpa.versions import check_jax as _check_jax
 
 _check_jax(_jax.__version__)
 
-from jax_sdpa._ffi import (cudnn_version, export_disabled_checks, graph_cache_stats,
-                           register_ffi_targets)
+from jax_sdpa._extension import (cudnn_version, export_disabled_checks, graph_cache_stats,
+                                 register_ffi_targets)
 from jax_sdpa.attention import dot_product_attention
 from jax_sdpa.paged import paged_attention, paged_kv_update
 from jax_sdpa.reference import attention_reference

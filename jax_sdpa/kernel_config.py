@@ -58,7 +58,7 @@ class KernelConfig:
     # the sink's share of each row (jax_sdpa/sinks.py); cuDNN itself never sees it.
     has_sinks: bool = False
     # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
-    # by its work (jax_sdpa/_ffi.py, JAX_SDPA_COMMAND_BUFFERS).
+    # by its work (jax_sdpa/command_buffers.py, JAX_SDPA_COMMAND_BUFFERS).
     command_buffer: bool | None = None
     debug: int = 0  # DEBUG_* bits (tests)
 

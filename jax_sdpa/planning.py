@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, debug
+from jax_sdpa import _extension, command_buffers, debug
 from jax_sdpa._warnings import warn
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.validation import AttentionCall
@@ -63,10 +63,10 @@ def device_reason() -> str | None:
     if capability is not None and capability < MIN_COMPUTE_CAPABILITY:
         return (f"{device.device_kind} has compute capability {capability[0]}.{capability[1]}; "
                 "cuDNN flash attention needs 8.0 (Ampere) or newer")
-    load_error = _ffi.extension_load_error()
+    load_error = _extension.extension_load_error()
     if load_error is not None:
         return load_error
-    version = _ffi.cudnn_version()
+    version = _extension.cudnn_version()
     if version < MIN_CUDNN_VERSION:
         return (f"the loaded cuDNN is {version}; jax_sdpa needs cuDNN >= 9.0 "
                 "(pip install nvidia-cudnn-cu13)")
@@ -87,9 +87,9 @@ def soft_cap_reason(logits_soft_cap) -> str | None:
     """None if cuDNN's forward can soft-cap the scores (or there is no cap), else why not."""
     if logits_soft_cap is None or device_reason() is not None:
         return None
-    if _ffi.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
+    if _extension.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
         return (f"logits_soft_cap needs cuDNN >= 9.4 (the loaded cuDNN is "
-                f"{_ffi.cudnn_version()})")
+                f"{_extension.cudnn_version()})")
     return None
 
 
@@ -101,7 +101,7 @@ def paged_reason(dtype, head_dim, head_dim_v, logits_soft_cap, decoding_window) 
                                                       ("value head_dim", head_dim_v)))
     if reason:
         return reason
-    version = _ffi.cudnn_version()
+    version = _extension.cudnn_version()
     if version < MIN_PAGED_CUDNN_VERSION:
         return f"cuDNN's paged K/V needs cuDNN >= 9.5 (the loaded cuDNN is {version})"
     if max(head_dim, head_dim_v) > 128 and version < PAGED_WIDE_HEADS_CUDNN_VERSION:
@@ -292,6 +292,6 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         segments=segments, max_segments=call.max_segments if segments else 0,
         document_bound=(call.max_document_length or ()) if segments else (),
         logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
-        command_buffer=_ffi.command_buffers(), debug=debug.flags(),
+        command_buffer=command_buffers.command_buffers(), debug=debug.flags(),
         **_bias_layout(call, dense_segments))
     return CudnnPlan(config, dense_segments)

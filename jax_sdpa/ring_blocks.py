@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _ffi, kernels
+from jax_sdpa import command_buffers, kernels
 from jax_sdpa import sinks as sinks_lib
 from jax_sdpa.kernel_config import KernelConfig
 
@@ -35,10 +35,10 @@ def split_chunks(x, parts, axis=1):
 
 
 def _config(implementation, scores, kind, has_lengths):
-    # A ring's blocks follow the rule of every call (_ffi.records_into_command_buffers).
+    # A ring's blocks follow the rule of every call (command_buffers.records_into_command_buffers).
     return KernelConfig(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
                         has_lengths=has_lengths, implementation=implementation,
-                        command_buffer=_ffi.command_buffers(),
+                        command_buffer=command_buffers.command_buffers(),
                         logits_soft_cap=scores.soft_cap or 0.0)
 
 

@@ -101,10 +101,12 @@ def assert_close_to_reference(ours, ref, context="", out_tol=1e-2, grad_tol=2e-2
 
 def assert_same_function(fn_a, fn_b, args, d_out, tol=1e-5):
     """fn_a and fn_b agree on `args`: output shape, dtype and values, and every gradient, by
-    relative error. Full float32 matmuls on both sides (a GPU's default precision is TF32)."""
+    relative error. Full float32 matmuls on both sides (a GPU's default precision is TF32).
+    Both jitted: op-by-op dispatch would compile every primitive on its own (eager calls have
+    tests of their own, tests/test_api_cpu.py)."""
     with jax.default_matmul_precision("float32"):
-        out_a, vjp_a = jax.vjp(fn_a, *args)
-        out_b, vjp_b = jax.vjp(fn_b, *args)
+        out_a, vjp_a = jax.vjp(jax.jit(fn_a), *args)
+        out_b, vjp_b = jax.vjp(jax.jit(fn_b), *args)
         pairs = [(out_a, out_b), *zip(vjp_a(d_out), vjp_b(d_out))]
     assert out_a.shape == out_b.shape and out_a.dtype == out_b.dtype
     for a, b in pairs:
@@ -121,14 +123,14 @@ def kernel_attention(query, key, value, config, **optional):
 
 def target(role):
     """Our FFI target's name for a role: forward, backward, forward_command_buffer, ..."""
-    from jax_sdpa import _ffi  # noqa: PLC0415
+    from jax_sdpa import _extension  # noqa: PLC0415
 
-    return _ffi.target_names()[role]
+    return _extension.target_names()[role]
 
 
 def twins(role):
     """(plain, command-buffer) names of our target of this role (forward, backward): which one
-    a call lowers to depends on its size and on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/_ffi.py)."""
+    a call lowers to depends on its size and on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/command_buffers.py)."""
     return target(role), target(role + "_command_buffer")
 
 

@@ -35,6 +35,19 @@ def test_matches_jax_nn(shape, is_causal):
                          lambda *a: theirs(*a, is_causal=is_causal, scale=0.3), (q, k, v), d_out)
 
 
+def test_eager_calls_match_jax_nn():
+    """Called op by op, outside jit (the other tests here compare jitted functions)."""
+    q, k, v, d_out = random_qkv(9, 2, 16, 24, 4, 2, 32, jnp.float32)
+    lengths = jnp.array([16, 5], jnp.int32)
+    kwargs = dict(is_causal=True, key_value_seq_lengths=lengths)
+    with jax.default_matmul_precision("float32"):
+        out, vjp = jax.vjp(lambda *a: ours(*a, **kwargs), q, k, v)
+        out_ref, vjp_ref = jax.vjp(lambda *a: theirs(*a, **kwargs), q, k, v)
+        pairs = [(out, out_ref), *zip(vjp(d_out), vjp_ref(d_out))]
+    for a, b in pairs:
+        assert relative_error(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("option", ["bias", "mask", "lengths", "window", "window_causal",
                                     "bias_causal", "mask_lengths", "mask_empty_rows"])
 def test_options_match_jax_nn(option):
@@ -136,7 +149,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
         jnp.float32).sum())
     with pytest.warns(RuntimeWarning, match="backward.*reference path.*T = S = 1"):
         text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    targets = jax_sdpa._ffi.target_names()
+    targets = jax_sdpa._extension.target_names()
     assert targets["forward"] in text and targets["backward"] not in text
 
 
@@ -144,7 +157,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
 def test_a_bad_graph_cache_size_is_named_when_the_extension_loads(value):
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
-    script = "from jax_sdpa import _ffi\n_ffi.extension()"
+    script = "from jax_sdpa import _extension\n_extension.extension()"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**__import__("os").environ, "JAX_SDPA_GRAPH_CACHE_SIZE": value},
                             timeout=120)
@@ -157,16 +170,16 @@ def test_without_cudnn_installed_the_library_answers(monkeypatch):
     extension cannot load, and the version and cache queries answer instead of raising."""
     import importlib.util  # noqa: PLC0415
 
-    from jax_sdpa import _ffi  # noqa: PLC0415
+    from jax_sdpa import _extension  # noqa: PLC0415
 
     def no_nvidia(name, *args):
         raise ModuleNotFoundError("No module named 'nvidia'")
     def no_maps(path, *args, **kwargs):
         raise OSError(path)  # as if no libcudnn were loaded yet
     monkeypatch.setattr(importlib.util, "find_spec", no_nvidia)
-    monkeypatch.setattr(_ffi, "open", no_maps, raising=False)
-    _ffi._preload_cudnn()  # no error: the extension's own load reports what is missing
-    monkeypatch.setattr(_ffi, "_load", lambda: (None, "no cuDNN (pip install 'jax_sdpa[cuda13]')"))
+    monkeypatch.setattr(_extension, "open", no_maps, raising=False)
+    _extension._preload_cudnn()  # no error: the extension's own load reports what is missing
+    monkeypatch.setattr(_extension, "_load", lambda: (None, "no cuDNN (pip install 'jax_sdpa[cuda13]')"))
     assert jax_sdpa.cudnn_version() is None
     assert jax_sdpa.graph_cache_stats() == {}
     q, k, v, _ = random_qkv(9, 1, 8, 8, 2, 2, 16, jnp.bfloat16)

@@ -18,7 +18,8 @@ LAYERS = [
     {"sharding_rules"},                                  # custom_partitioning / custom_vmap
     {"kernels"},                                         # the kernel switch, packed layout
     {"_ffi", "reference_kernel", "packing", "debug", "sinks"},  # FFI, reference, tables, sinks
-    {"reference", "validation", "kernel_config", "_warnings", "versions"},  # leaves
+    {"reference", "validation", "kernel_config", "_warnings", "versions",  # leaves
+     "_extension", "command_buffers", "varying"},
 ]
 
 

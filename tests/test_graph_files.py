@@ -7,12 +7,12 @@ import pathlib
 
 import pytest
 
-from jax_sdpa import _ffi
+from jax_sdpa import _extension
 
 
 @pytest.fixture(scope="module")
 def files():
-    _ffi.extension()  # the product extension loads cuDNN first
+    _extension.extension()  # the product extension loads cuDNN first
     from jax_sdpa import _sdpa_devtools  # noqa: PLC0415
 
     return _sdpa_devtools

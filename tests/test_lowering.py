@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_sdpa import _ffi
+from jax_sdpa import _extension, _ffi, command_buffers
 import jax_sdpa
 from jax_sdpa.kernel_config import KernelConfig
 from conftest import calls_to, kernel_attention, twins
@@ -16,9 +16,9 @@ FORWARD, BACKWARD = "forward", "backward"  # our targets' roles (either twin: co
 
 
 def test_extension_loads_and_reports_cudnn():
-    module = _ffi.extension()
-    assert set(module.registrations()) == set(_ffi.target_names().values())
-    assert set(_ffi.target_names()) == {"forward", "backward", "forward_command_buffer",
+    module = _extension.extension()
+    assert set(module.registrations()) == set(_extension.target_names().values())
+    assert set(_extension.target_names()) == {"forward", "backward", "forward_command_buffer",
                                         "backward_command_buffer"}
     assert module.cudnn_header_version() >= 90000
 
@@ -41,7 +41,7 @@ def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
         q, q, q, is_causal=True, query_segment_ids=ids,
         implementation="cudnn").astype(jnp.float32).sum())
     text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    expected = set(_ffi.extension().attribute_names())
+    expected = set(_extension.extension().attribute_names())
     for name in (FORWARD, BACKWARD):
         assert backend_config(text, name) == expected
     assert ("ragged = true" in text) == packed
@@ -172,7 +172,7 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     monkeypatch.delenv("JAX_SDPA_COMMAND_BUFFERS", raising=False)
-    # Small blocks: recorded, as any call of that size (_ffi.COMMAND_BUFFER_MAX_FLOPS).
+    # Small blocks: recorded, as any call of that size (command_buffers.COMMAND_BUFFER_MAX_FLOPS).
     plain, buffered = zip(twins(FORWARD), twins(BACKWARD))
     assert set(buffered) <= custom_call_names(grad, x, x, x)
     assert not set(plain) & custom_call_names(grad, x, x, x)
@@ -181,12 +181,12 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
 def test_command_buffer_targets_follow_the_variable_and_the_size(monkeypatch):
     """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers every call to the
     command-buffer compatible twins of our targets, =0 none; unset, a call is recorded when its
-    work is at most _ffi.COMMAND_BUFFER_MAX_FLOPS; anything else is refused by name."""
+    work is at most command_buffers.COMMAND_BUFFER_MAX_FLOPS; anything else is refused by name."""
     monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     small = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
     large = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
-    assert _ffi.call_flops(small, 64, 64) <= _ffi.COMMAND_BUFFER_MAX_FLOPS
-    assert _ffi.call_flops(large, 8192, 128) > _ffi.COMMAND_BUFFER_MAX_FLOPS
+    assert command_buffers.call_flops(small, 64, 64) <= command_buffers.COMMAND_BUFFER_MAX_FLOPS
+    assert command_buffers.call_flops(large, 8192, 128) > command_buffers.COMMAND_BUFFER_MAX_FLOPS
 
     def grad():  # a new function each time: jit caches traces by function
         return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
@@ -223,7 +223,7 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
         attend, args = jax.vmap(attend), tuple(x[None].repeat(2, 0) for x in args)
     text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
-    assert backend_config(text, FORWARD) == set(_ffi.extension().attribute_names())
+    assert backend_config(text, FORWARD) == set(_extension.extension().attribute_names())
     assert "paged = true" in text
 
 
@@ -237,7 +237,7 @@ def planner_attributes(**changes):
 def test_workspace_planner_refuses_what_the_handlers_refuse():
     """The extension's workspace planner (what sizes a call's workspace result) checks the
     operands Python describes as the handlers check buffers, before any GPU is touched."""
-    planner = _ffi.extension().workspace_bytes
+    planner = _extension.extension().workspace_bytes
     q = ("bfloat16", [2, 64, 4, 64])
     lengths = ("int32", [2])
     missing = planner_attributes()

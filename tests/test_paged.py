@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, planning
+from jax_sdpa import _extension, _ffi, planning
 import paged_emulator
 
 PAGES, PAGE, K, N, H = 24, 8, 2, 4, 16
@@ -90,7 +90,7 @@ def path(request, monkeypatch):
     if planning.device_reason() is not None:
         monkeypatch.setattr(planning, "device_reason", lambda: None)
         monkeypatch.setattr(planning, "kernel_reason", lambda *args: None)  # float32 here
-        monkeypatch.setattr(_ffi, "cudnn_version", lambda: 91900)
+        monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)
         monkeypatch.setattr(_ffi, "sdpa_paged_forward", paged_emulator.sdpa_paged_forward)
     return None  # the default: cuDNN where it can run (soft-cap: the reference, with a warning)
 
