@@ -153,12 +153,12 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *o));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *stats));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *o));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *stats));
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
                               GivenWorkspace(extra_results, 0, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
-                              PrepareCall(stream, scratch, *state, c, options, workspace));
+                              PrepareCall(stream, scratch, *state, c, attributes, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       ForwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, plan, r);
@@ -205,15 +205,15 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       const ffi::AnyBuffer& bias = *plan.optional.bias;
       JAX_SDPA_RETURN_IF_ERROR(CheckShape(*dbias, bias.element_type(),
                                           ToVector(bias.dimensions()), "bias gradient"));
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, *dbias));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *dbias));
     }
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, options, out));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, out));
     }
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
                               GivenWorkspace(extra_results, dbias ? 1 : 0, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
-                              PrepareCall(stream, scratch, *state, c, options, workspace));
+                              PrepareCall(stream, scratch, *state, c, attributes, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
       BackwardBuffers buffers;
       buffers.in = InputsSlice(q, k, v, plan, r);

@@ -52,7 +52,7 @@ ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(bool backward, int32_t device,
         ReadOptionalInputs(
             operands.size() - fixed,
             [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> { return buffer(fixed + i); },
-            options));
+            attributes));
     Direction direction = backward ? Direction::kBackward : Direction::kForward;
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
                               PlanAnyCall(direction, device, buffer(0), buffer(1), buffer(2),
