@@ -168,7 +168,8 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
                                      OptionalInputs optional, const CallAttributes& attributes) {
   CallPlan plan;
   plan.optional = std::move(optional);
-  if (!attributes.has_lengths || attributes.ragged || attributes.has_bias || attributes.dropout > 0) {
+  if (!attributes.has_lengths || attributes.ragged || attributes.has_bias ||
+      attributes.dropout > 0) {
     return Failure{InvalidArgument("a paged call takes lengths and a page table, and no bias, "
                                    "dropout or ragged layout")};
   }

@@ -34,11 +34,12 @@ struct CallPlan {
 // ffi::ErrorOr<ffi::AnyBuffer>): from XLA's remaining arguments, or from shapes Python describes
 // when it plans a call (PlannedWorkspaceBytes).
 template <typename Get>
-ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get, const CallAttributes& attributes) {
+ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
+                                                const CallAttributes& attributes) {
   bool has_dropout = attributes.dropout > 0;
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.has_lengths ? 2 : 0) +
-                    (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) + (has_dropout ? 1 : 0) +
-                    (attributes.poison_rows ? 1 : 0);
+                    (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
+                    (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0);
   if (count != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
                                    " optional operands, got " + std::to_string(count))};
