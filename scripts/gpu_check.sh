@@ -25,7 +25,8 @@ if [ -n "${PREBUILT:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "prebuilt extensions from $PREBUILT: $(ls "$PREBUILT")"
 else
-  python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
+  python3 -m pip install --no-build-isolation --no-deps -Ccmake.define.JAX_SDPA_DEVTOOLS=ON -e . \
+    >"$out/build.log" 2>&1 \
     || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
   if [ "${SAVE_BUILD:-0}" = "1" ]; then  # send the built extensions back (for PREBUILT)
