@@ -1,6 +1,7 @@
 """Training text that every machine has: the Python standard library's own source files, read
 at run time as bytes (a byte-level vocabulary of 256), split into train and validation."""
 
+import os
 import pathlib
 import sysconfig
 
@@ -11,10 +12,13 @@ def _stdlib_sources(max_bytes: int):
     """The standard library's .py files as bytes, in a fixed (sorted) order, until max_bytes
     have been read."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for directory, subdirectories, files in os.walk(root):
+        # Installed packages are not the standard library (and walking them is slow).
+        subdirectories[:] = [d for d in subdirectories if d != "site-packages"]
+        paths += [pathlib.Path(directory, name) for name in files if name.endswith(".py")]
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
+    for path in sorted(paths):
         try:
             data = path.read_bytes()
         except OSError:
