@@ -13,6 +13,13 @@ if not os.path.exists("/dev/nvidiactl") and "xla_backend_optimization_level" not
         os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += (" --xla_backend_optimization_level=0"
                                 " --xla_llvm_disable_expensive_passes=true")
+    # One compilation cache for the whole run (its workers and the subprocesses they start):
+    # many tests compile the same reference programs.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import tempfile  # noqa: PLC0415
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_sdpa_tests_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
