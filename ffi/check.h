@@ -67,20 +67,16 @@ inline ffi::Error InvalidArgument(const std::string& message) {
   }                                                                                       \
   lhs = std::move(*JAX_SDPA_CONCAT(jax_sdpa_result_, __LINE__))
 
-#define JAX_SDPA_CUDA_CHECK(expr)                                          \
-  do {                                                                     \
-    cudaError_t jax_sdpa_status_ = (expr);                                 \
-    if (jax_sdpa_status_ != cudaSuccess) {                                 \
-      return ::jax_sdpa::Failure{                                          \
-          ::jax_sdpa::CudaError(jax_sdpa_status_, #expr, __FILE__, __LINE__)}; \
-    }                                                                      \
+// Returns the error `to_error` makes of expr's status unless it is `success`.
+#define JAX_SDPA_STATUS_CHECK(status_type, success, to_error, expr)                    \
+  do {                                                                                \
+    status_type jax_sdpa_status_ = (expr);                                            \
+    if (jax_sdpa_status_ != (success)) {                                              \
+      return ::jax_sdpa::Failure{to_error(jax_sdpa_status_, #expr, __FILE__, __LINE__)}; \
+    }                                                                                 \
   } while (0)
 
-#define JAX_SDPA_CUDNN_CHECK(expr)                                           \
-  do {                                                                       \
-    cudnnStatus_t jax_sdpa_status_ = (expr);                                 \
-    if (jax_sdpa_status_ != CUDNN_STATUS_SUCCESS) {                          \
-      return ::jax_sdpa::Failure{                                            \
-          ::jax_sdpa::CudnnError(jax_sdpa_status_, #expr, __FILE__, __LINE__)};  \
-    }                                                                        \
-  } while (0)
+#define JAX_SDPA_CUDA_CHECK(expr) \
+  JAX_SDPA_STATUS_CHECK(cudaError_t, cudaSuccess, ::jax_sdpa::CudaError, expr)
+#define JAX_SDPA_CUDNN_CHECK(expr) \
+  JAX_SDPA_STATUS_CHECK(cudnnStatus_t, CUDNN_STATUS_SUCCESS, ::jax_sdpa::CudnnError, expr)

@@ -118,8 +118,13 @@ def check_ring(platform):
     head_dim = 128 if platform == "gpu" else 16
     tolerances = (1e-2, 2e-2) if platform == "gpu" else (1e-5, 1e-4)
     done = []
-    for strategy, layout, is_causal in itertools.product(("ring", "all_gather"),
-                                                         ("zigzag", "contiguous"), (True, False)):
+    cases = list(itertools.product(("ring", "all_gather"), ("zigzag", "contiguous"),
+                                   (True, False)))
+    if platform == "cpu":
+        # Each strategy and layout once, causal and not (tests/test_ring.py runs the whole
+        # matrix in one process): on a CPU the compiles are most of the check's time.
+        cases = [case for case in cases if case[2] == (case[1] == "zigzag")]
+    for strategy, layout, is_causal in cases:
         seq = 128 * size
         q, d_out = (_random((2, seq, 8, head_dim), s, dtype) for s in (11, 14))
         k, v = (_random((2, seq, 2, head_dim), s, dtype) for s in (12, 13))
