@@ -15,9 +15,12 @@ if not os.path.exists("/dev/nvidiactl") and "xla_backend_optimization_level" not
                                 " --xla_llvm_disable_expensive_passes=true")
     # One compilation cache for the whole run (its workers and the subprocesses they start):
     # many tests compile the same reference programs.
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the process that made it removes it
+        import atexit  # noqa: PLC0415
+        import shutil  # noqa: PLC0415
         import tempfile  # noqa: PLC0415
         os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_sdpa_tests_")
+        atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
