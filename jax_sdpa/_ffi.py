@@ -41,8 +41,8 @@ def _gpu_ordinal() -> int | None:
 @functools.lru_cache(maxsize=4096)
 def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
     try:
-        return int(_extension.extension().workspace_bytes(backward, device, list(operands),
-                                               dict(attributes)))
+        planner = _extension.extension().workspace_bytes
+        return int(planner(backward, device, list(operands), dict(attributes)))
     except RuntimeError:
         # The graph does not build (cuDNN refuses the config): the call itself reports that,
         # with cuDNN's message, when it runs, as it does for a call planned without a GPU.
