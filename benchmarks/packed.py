@@ -15,7 +15,9 @@ in one process, interleaved rounds, a straight-line chain of CALLS calls inside 
 - per-document bound: the same documents as separate batch entries through jax_sdpa (one call
   per distinct document length);
 - jax.nn cudnn with the equivalent dense [B, 1, T, S] mask;
-- flash-attn3-jax flash_mha_varlen on [total_tokens, N, H] with cumulative lengths, if installed.
+- varlen_attention stated: jax_sdpa.varlen_attention on [total_tokens, N, H] with cumulative
+  lengths and max_seqlen_q the longest document (flash-attn's varlen convention);
+- flash-attn3-jax flash_mha_varlen on the same arrays, if installed.
 Plus XLA's compiled temporary memory of the fwd+bwd step (ragged, dense ids) at the long config.
 Writes packed.md and packed.json.
 """
@@ -112,6 +114,7 @@ def implementations(config, tight=True):
         mask = ids[:, None, :, None] == ids[:, None, None, :]
         found["jax.nn cudnn dense mask"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, mask=mask, is_causal=True, implementation="cudnn")
+    found["varlen_attention stated"] = _varlen(config, _our_varlen)
     found["per-document bound"] = _per_document(config)
     try:
         from flash_attn3_jax import flash_mha_varlen  # noqa: PLC0415 - optional peer
@@ -157,6 +160,13 @@ def _per_document(config):
             out = out.at[index.reshape(-1)].set(o.reshape(-1, N_HEADS, HEAD_DIM))
         return out.reshape(q.shape)
     return attention
+
+
+def _our_varlen(q, k, v, cu_q, cu_kv, *, max_seqlen_q, max_seqlen_k, is_causal):
+    """jax_sdpa.varlen_attention in flash_mha_varlen's calling convention."""
+    return jax_sdpa.varlen_attention(q, k, v, cu_q, is_causal=is_causal,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_k,
+                                     implementation="cudnn")
 
 
 def _varlen(config, flash_mha_varlen):

@@ -43,6 +43,8 @@ class KernelConfig:
     bias_heads_full: bool = False
     bias_grad: bool = False
     has_lengths: bool = False
+    # The key/value lengths are the query lengths (one array given for both).
+    same_lengths: bool = False
     # Packed documents from segment ids: "" none, "self" (keys share the queries' ids),
     # "cross" (kv_segment_ids of their own); at most max_segments documents per row run on
     # cuDNN's ragged layout, anything else on the exact fallback (kernels.py).

@@ -72,10 +72,15 @@ def _without_sinks(inputs):
 
 
 def _documents(config, inputs):
+    # Behind a barrier: ids known at compile time (a constant the caller closed over) would
+    # otherwise have XLA evaluate the whole table on the host while it compiles, seconds per call.
+    ids_and_lengths = jax.lax.optimization_barrier(
+        {name: inputs.get(name) for name in ("q_segment_ids", "kv_segment_ids", "q_lengths",
+                                             "kv_lengths")})
     return packing.documents(
-        inputs["q_segment_ids"], inputs.get("kv_segment_ids"),
-        max_segments=config.max_segments, q_lengths=inputs.get("q_lengths"),
-        kv_lengths=inputs.get("kv_lengths"), aligned=config.banded)
+        ids_and_lengths["q_segment_ids"], ids_and_lengths["kv_segment_ids"],
+        max_segments=config.max_segments, q_lengths=ids_and_lengths["q_lengths"],
+        kv_lengths=ids_and_lengths["kv_lengths"], aligned=config.banded)
 
 
 def _ragged_operands(inputs, docs, entries):
@@ -86,8 +91,9 @@ def _ragged_operands(inputs, docs, entries):
 
 def _may_see_nothing(config) -> bool:
     """Whether a query of a packed call can see no key: its id missing among the keys, or key
-    lengths cutting its document's keys (a row always sees its own position otherwise)."""
-    return config.segments == "cross" or config.has_lengths
+    lengths cutting its document's keys. A row always sees its own position otherwise, and
+    with the keys' lengths the queries' own, that key is inside them."""
+    return config.segments == "cross" or (config.has_lengths and not config.same_lengths)
 
 
 def _uniform_rows(config, inputs, docs):

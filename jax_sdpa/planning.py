@@ -289,6 +289,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         bottom_right=band.bottom_right, deterministic=bool(deterministic),
         dropout=call.dropout_rate, implementation="cudnn",
         backward_implementation=backward_kernel, has_lengths=call.has_lengths,
+        same_lengths=call.same_lengths,
         segments=segments, max_segments=call.max_segments if segments else 0,
         document_bound=(call.max_document_length or ()) if segments else (),
         logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,

@@ -59,6 +59,12 @@ class AttentionCall:
     def has_lengths(self) -> bool:
         return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
 
+    @property
+    def same_lengths(self) -> bool:
+        """Whether one array gives both the query and the key/value lengths."""
+        return (self.query_seq_lengths is not None and
+                self.key_value_seq_lengths is self.query_seq_lengths)
+
 
 def _as_array(value, name):
     try:
@@ -304,11 +310,14 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     q_ids, kv_ids = _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len,
                                  kv_seq_len)
     rate, rng = _dropout(dropout_rate, dropout_rng)
+    q_lengths = _seq_lengths(query_seq_lengths, batch, "query_seq_lengths")
+    # One array given for both stays one (AttentionCall.same_lengths).
+    kv_lengths = (q_lengths if key_value_seq_lengths is query_seq_lengths else
+                  _seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"))
     return AttentionCall(
         query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
         is_causal=bool(is_causal),
-        query_seq_lengths=_seq_lengths(query_seq_lengths, batch, "query_seq_lengths"),
-        key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         local_window_size=checked_window(local_window_size),
         output_shape=output_shape,
         diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,

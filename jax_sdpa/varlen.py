@@ -87,13 +87,17 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
                              f"got shapes {cu_q.shape} and {cu_kv.shape}")
     q_ids = _segment_ids(cu_q, total_q)
     kv_ids = None if cu_seqlens_kv is None else _segment_ids(cu_kv, total_kv)
+    # Self-attention gives one array for both lengths: no row can then see no key, so the
+    # packed path repairs none (jax_sdpa/kernels.py).
+    q_lengths = cu_q[-1:]
+    kv_lengths = q_lengths if cu_seqlens_kv is None else cu_kv[-1:]
     result = dot_product_attention(
         query[None], key[None], value[None], scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, implementation=implementation,
         return_residual=return_residual, deterministic=deterministic,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, query_segment_ids=q_ids,
         kv_segment_ids=kv_ids, max_segments=cu_q.shape[0],
-        query_seq_lengths=cu_q[-1:], key_value_seq_lengths=cu_kv[-1:],
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         logits_soft_cap=logits_soft_cap, sinks=sinks,
         max_document_length=_max_seqlen(max_seqlen_q, max_seqlen_kv),
         residual_dtype=residual_dtype)

@@ -129,6 +129,24 @@ def test_lengths_with_segments_zero_padded_rows(emulated_cudnn):
     assert not np.any(np.asarray(out[1], np.float32))  # no keys at all: zeros, as jax.nn's
 
 
+@pytest.mark.parametrize("mask", ["causal", "full", "window"])
+def test_one_lengths_array_for_both_sides_needs_no_row_repair(mask, emulated_cudnn,
+                                                              monkeypatch):
+    """Self-attention with one lengths array for queries and keys (varlen_attention's case):
+    every row within its length sees its own key, so the packed path repairs no row (the
+    repair would cost passes over the output and value gradients) and stays exact."""
+    def no_repair(*args, **kwargs):
+        raise AssertionError("a row repair ran")
+    monkeypatch.setattr(packing, "rows_seeing_nothing", no_repair)
+    lengths = jnp.array([37, 22], jnp.int32)
+    ids = jnp.asarray(np.stack(ROWS["padding_id_last"]))
+    out, _, _ = check(*qkv(11), query_segment_ids=ids, query_seq_lengths=lengths,
+                      key_value_seq_lengths=lengths, is_causal=mask == "causal",
+                      local_window_size=(4, 1) if mask == "window" else None)
+    assert not np.any(np.asarray(out[0, 37:], np.float32))
+    assert not np.any(np.asarray(out[1, 22:], np.float32))
+
+
 def test_kv_lengths_cutting_a_document_leave_uniform_rows(emulated_cudnn):
     """Documents whose keys are all past the key length see nothing: the mean of all values."""
     ids = jnp.asarray(np.stack(ROWS["contiguous"]))
