@@ -8,7 +8,7 @@ the packed path taken out, to see which part costs: every branch (as shipped); t
 branches without the exact fallback (a stand-in that returns zeros: timing only, never run);
 the fallback with one ragged plan; the dense (non-packed) call for scale. With --trace, writes a
 jax.profiler trace (Perfetto JSON) of the shipped step's chain of calls, of the same call with the
-documents' bound stated, and of the per-document bound to DIR, and prints the GPU time per kernel
+documents' bound stated, of varlen_attention with it, and of the per-document bound to DIR, and prints the GPU time per kernel
 name from each. With --time, times the fwd+bwd chains (interleaved rounds) of the shipped call,
 of the plan it picks for these documents alone with and without the lax.switch around it (the
 switch's predicate is read on the host before the branch can launch: the difference is that
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import jax_sdpa
 from jax_sdpa import kernels
 from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
-from benchmarks.packed import _per_document, configs, make_inputs, stated, timed_functions
+from benchmarks.packed import (_our_varlen, _per_document, _varlen, configs, make_inputs, stated,
+                               timed_functions)
 from benchmarks.plans import ragged_layout
 from benchmarks.traces import events_line, launch_table
 
@@ -172,6 +173,7 @@ def run_config(config, args):
     if args.trace:
         traced = {"packed": next(fn for name, fn, _ in variants(ids) if name == "packed, as shipped"),
                   "packed stated": stated(config, ids),
+                  "varlen_attention stated": _varlen(config, _our_varlen),
                   "per-document bound": _per_document(config)}
         inputs = make_inputs(config, seed=0)
         for name, attention in traced.items():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp
 from jax_sdpa.planning import CudnnPlan
-from jax_sdpa.reference import combined_mask, large_negative
+from jax_sdpa.reference import combined_mask, large_negative, mean_value
 from jax_sdpa.validation import AttentionCall
 
 
@@ -107,16 +107,14 @@ def _uniform_rows(call: AttentionCall, mask, output, lse):
     also sends those rows a zero cotangent, so the backward matches the reference's
     gradient."""
     _, q_seq_len, q_heads, _ = call.query.shape
-    kv_heads = call.key.shape[2]
     if call.sinks is not None:
         # The sink takes the whole weight of such rows: the kernels' output is zeros there,
         # as the reference's, and their lse the sink's.
         return output, lse
     empty = _rows_seeing_nothing(call, mask)  # [B|1, N|1, T]
-    mean_value = jnp.mean(call.value.astype(jnp.float32), axis=1)  # [B, K, Hv]
-    mean_value = jnp.repeat(mean_value, q_heads // kv_heads, axis=1)  # [B, N, Hv]
     empty_btn = jnp.swapaxes(empty, 1, 2)[..., None]  # [B|1, T, N|1, 1]
-    output = jnp.where(empty_btn, mean_value[:, None].astype(output.dtype), output)
+    average = mean_value(q_heads, call.value)[:, None]  # [B, 1, N, Hv]
+    output = jnp.where(empty_btn, average.astype(output.dtype), output)
     if call.query_seq_lengths is not None:
         valid = jnp.arange(q_seq_len)[None, :] < call.query_seq_lengths[:, None]
         output = output * valid[:, :, None, None].astype(output.dtype)

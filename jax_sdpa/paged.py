@@ -25,16 +25,6 @@ from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.reference import attention_reference, large_negative
 
 
-def _int32(array, name, ndim):
-    given_dtype = getattr(array, "dtype", None)
-    array = jnp.asarray(array)
-    if (given_dtype if given_dtype is not None else array.dtype) != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
-    if array.ndim != ndim:
-        raise ValueError(f"{name} must have rank {ndim}, got shape {array.shape}")
-    return array
-
-
 def _check_caches(key_cache, value_cache):
     if key_cache.ndim != 4 or value_cache.ndim != 4:
         raise ValueError("key_cache and value_cache must be [pages, page_size, K, H] and "
@@ -179,8 +169,8 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     if query.dtype != key_cache.dtype:
         raise TypeError(f"query and the caches must share a dtype, got {query.dtype} and "
                         f"{key_cache.dtype}")
-    page_table = _int32(page_table, "page_table", 2)
-    kv_lengths = _int32(kv_lengths, "kv_lengths", 1)
+    page_table = validation.int32_array(page_table, "page_table", ndim=2)
+    kv_lengths = validation.int32_array(kv_lengths, "kv_lengths", ndim=1)
     if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
         raise ValueError(f"page_table [B, max_pages] and kv_lengths [B] must have B = {batch}, "
                          f"got {page_table.shape} and {kv_lengths.shape}")
@@ -221,8 +211,8 @@ def paged_kv_update(key_cache, value_cache, page_table, start, key, value, lengt
     """
     key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
     _check_caches(key_cache, value_cache)
-    page_table = _int32(page_table, "page_table", 2)
-    start = _int32(start, "start", 1)
+    page_table = validation.int32_array(page_table, "page_table", ndim=2)
+    start = validation.int32_array(start, "start", ndim=1)
     key, value = jnp.asarray(key), jnp.asarray(value)
     batch, new_tokens = key.shape[:2]
     if key.shape[2:] != key_cache.shape[2:] or value.shape[2:] != value_cache.shape[2:]:
@@ -237,7 +227,7 @@ def paged_kv_update(key_cache, value_cache, page_table, start, key, value, lengt
     capacity = page_table.shape[1] * page_size
     keep = (positions >= 0) & (positions < capacity)
     if lengths is not None:
-        lengths = _int32(lengths, "lengths", 1)
+        lengths = validation.int32_array(lengths, "lengths", ndim=1)
         keep &= jnp.arange(new_tokens)[None, :] < lengths[:, None]
     page_index = jnp.clip(jnp.maximum(positions, 0) // page_size, 0, page_table.shape[1] - 1)
     pages = jnp.take_along_axis(page_table, page_index, axis=1)

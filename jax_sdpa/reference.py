@@ -17,6 +17,13 @@ import numpy as np
 __all__ = ["attention_reference"]
 
 
+def mean_value(q_heads, value):
+    """[B, N, Hv] float32: each of the q_heads query heads' plain average of all values [B, S,
+    K, Hv], what a row that sees no key gives (jax.nn's convention: all its scores equal)."""
+    groups = q_heads // value.shape[2]
+    return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
+
+
 def large_negative() -> float:
     # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
     return -0.7 * float(np.finfo(np.float32).max)

@@ -100,20 +100,24 @@ def _broadcastable_4d(array, target, name):
     return array
 
 
-def _int32_array(value, name, shape, shape_text):
-    """value as an int32 array of exactly `shape` ([batch] lengths, [batch, seq] segment ids)."""
+def int32_array(value, name, *, shape=None, shape_text=None, ndim=None):
+    """value as an int32 array: of exactly `shape` (shape_text names its axes: [batch]
+    lengths, [batch, seq] segment ids) and/or of rank `ndim`."""
     # The caller's dtype, read before jnp.asarray would quietly narrow int64 to int32.
     given_dtype = getattr(value, "dtype", None)
     array = _as_array(value, name)
     if (given_dtype if given_dtype is not None else array.dtype) != jnp.int32:
         raise DtypeError(f"{name} must be int32, got {given_dtype or array.dtype}")
-    if array.shape != shape:
+    if shape is not None and array.shape != shape:
         raise ValueError(f"{name} must have shape {shape_text} = {shape}, got {array.shape}")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {array.shape}")
     return array
 
 
 def _seq_lengths(lengths, batch, name):
-    return None if lengths is None else _int32_array(lengths, name, (batch,), "[batch]")
+    return (None if lengths is None else
+            int32_array(lengths, name, shape=(batch,), shape_text="[batch]"))
 
 
 def checked_window(local_window_size):
@@ -145,11 +149,12 @@ def _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len
     if kv_segment_ids is None and q_seq_len != kv_seq_len:
         raise ValueError("kv_segment_ids is required when the query and key/value sequence "
                          f"lengths differ ({q_seq_len} vs {kv_seq_len})")
-    q_ids = _int32_array(query_segment_ids, "query_segment_ids", (batch, q_seq_len),
-                         "[batch, seq]")
+    q_ids = int32_array(query_segment_ids, "query_segment_ids", shape=(batch, q_seq_len),
+                        shape_text="[batch, seq]")
     if kv_segment_ids is None or kv_segment_ids is query_segment_ids:
         return q_ids, None
-    kv_ids = _int32_array(kv_segment_ids, "kv_segment_ids", (batch, kv_seq_len), "[batch, seq]")
+    kv_ids = int32_array(kv_segment_ids, "kv_segment_ids", shape=(batch, kv_seq_len),
+                         shape_text="[batch, seq]")
     return q_ids, kv_ids
 
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sdpa.attention import dot_product_attention
+from jax_sdpa.validation import int32_array
 
 
 def _checked_cu_seqlens(cu_seqlens, name, total):
-    given_dtype = getattr(cu_seqlens, "dtype", None)
-    cu = jnp.asarray(cu_seqlens)
-    if (given_dtype if given_dtype is not None else cu.dtype) != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {given_dtype or cu.dtype}")
+    cu = int32_array(cu_seqlens, name)
     if cu.ndim != 1 or cu.shape[0] < 2:
         raise ValueError(f"{name} must be int32 [num_sequences + 1] with at least one sequence, "
                          f"got shape {cu.shape}")
