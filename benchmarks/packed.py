@@ -1,7 +1,7 @@
 """Packed rows (segment ids) side by side: what a packed training step costs against the
 documents it holds.
 
-    python -m benchmarks.packed [--only NAME ...] [--rounds 10] [--out DIR]
+    python -m benchmarks.packed [--only NAME ...] [--impl NAME ...] [--rounds 10] [--out DIR]
 
 Each config is B rows of T tokens (N heads, d=128, bf16, causal within documents). Columns, all
 in one process, interleaved rounds, a straight-line chain of CALLS calls inside one jit
@@ -195,9 +195,11 @@ def timed_functions(attention):
     return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
 
-def bench(config, rounds, tight=True):
+def bench(config, rounds, tight=True, only=()):
     inputs = make_inputs(config, seed=0)
-    jitted = {(name, mode): fn for name, attention in implementations(config, tight).items()
+    chosen = {name: attention for name, attention in implementations(config, tight).items()
+              if not only or name in only or name == "per-document bound"}
+    jitted = {(name, mode): fn for name, attention in chosen.items()
               for mode, fn in timed_functions(attention).items()}
     first, fns = {}, {}
     for key, fn in jitted.items():
@@ -273,6 +275,9 @@ def main(argv=None):
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-tight", action="store_true",
                         help="skip the ragged call at the rows' own document count")
+    parser.add_argument("--impl", action="append", default=[],
+                        help="only this implementation (repeatable; the per-document bound "
+                        "always runs: the ratios need it)")
     args = parser.parse_args(argv)
     chosen = [c for c in configs() if not args.only or c.name in args.only]
     header = (f"{machine_line()}; B rows x T tokens, {N_HEADS} heads, d={HEAD_DIM}, bf16, "
@@ -281,7 +286,7 @@ def main(argv=None):
     for index, config in enumerate(chosen):
         print(f"[{index + 1}/{len(chosen)}] {config.name}: documents per row "
               f"{[len(row) for row in config.lengths]}", file=sys.stderr, flush=True)
-        rows.extend(bench(config, args.rounds, tight=not args.no_tight))
+        rows.extend(bench(config, args.rounds, tight=not args.no_tight, only=args.impl))
         if not args.no_memory and not config.run_dense:
             memory[config.name] = temp_memory(config, ("ragged",))
         with open(os.path.join(args.out, "packed.json"), "w") as f:

@@ -27,6 +27,7 @@
   SEP X(float, dropout)                                                              \
   SEP X(bool, zero_outputs) /* elements no document or length covers stay zero */    \
   SEP X(bool, poison_rows)  /* int32 [rows] operand: rows whose first token becomes NaN */ \
+  SEP X(bool, zero_tails) /* int32 [rows, 2] operand: tokens past them become zero */     \
   SEP X(int64_t, debug)     /* DebugFlags */                                         \
   SEP X(bool, command_buffer) /* recorded into command buffers: see PrepareCall */     \
   SEP X(bool, workspace_result) /* the last result is the call's cuDNN workspace */

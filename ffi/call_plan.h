@@ -15,10 +15,10 @@
 namespace jax_sdpa {
 
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
-// [page_table], [dropout_seed], [poison_rows].
+// [page_table], [dropout_seed], [poison_rows], [tails].
 struct OptionalInputs {
   std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
-      poison_rows;
+      poison_rows, tails;
 };
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
@@ -39,7 +39,8 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   bool has_dropout = attributes.dropout > 0;
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.has_lengths ? 2 : 0) +
                     (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
-                    (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0);
+                    (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
+                    (attributes.zero_tails ? 1 : 0);
   if (count != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
                                    " optional operands, got " + std::to_string(count))};
@@ -61,6 +62,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   if (attributes.paged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.page_table));
   if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
   if (attributes.poison_rows) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.poison_rows));
+  if (attributes.zero_tails) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.tails));
   return inputs;
 }
 

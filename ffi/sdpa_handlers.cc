@@ -15,7 +15,7 @@
 #include "check.h"
 #include "cudnn_handles.h"
 #include "graph_cache.h"
-#include "poison_rows.h"
+#include "row_fills.h"
 #include "sdpa_config.h"
 #include "sdpa_graphs.h"
 
@@ -26,17 +26,23 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::CallAttributes,
 namespace jax_sdpa {
 namespace {
 
-// Fills an output before cuDNN runs: zeros where elements may be left unwritten by cuDNN
-// (padding, tokens of no document), or all-ones bytes (NaN in every float type) when a test
-// asks to prove every element is written.
-ffi::Error Prefill(cudaStream_t stream, const CallAttributes& attributes, ffi::AnyBuffer buffer) {
-  if (attributes.zero_outputs) {
+// Fills an output before cuDNN runs: zeros (`zero`) where elements may be left unwritten by
+// cuDNN (padding, tokens of no document), or all-ones bytes (NaN in every float type) when a
+// test asks to prove every element is written.
+ffi::Error Prefill(cudaStream_t stream, const CallAttributes& attributes, bool zero,
+                   ffi::AnyBuffer buffer) {
+  if (zero) {
     JAX_SDPA_CUDA_CHECK(cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream));
   } else if (attributes.debug & kPoisonOutputs) {
     JAX_SDPA_CUDA_CHECK(
         cudaMemsetAsync(buffer.untyped_data(), 0xFF, buffer.size_bytes(), stream));
   }
   return ffi::Error::Success();
+}
+
+// Whether an output that zero_tails does not cover (stats, dbias) is zero-filled first.
+bool ZeroFirst(const CallAttributes& attributes) {
+  return attributes.zero_outputs || attributes.zero_tails;
 }
 
 ffi::ErrorOr<void*> AllocateWorkspace(ffi::ScratchAllocator& scratch, const SdpaGraph& graph) {
@@ -153,8 +159,10 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *o));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *stats));
+    // With zero_tails the tokens past the lengths are zeroed after cuDNN ran; the stats, small,
+    // are zero-filled first either way.
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, *o));
+    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, ZeroFirst(attributes), *stats));
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
                               GivenWorkspace(extra_results, 0, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
@@ -166,6 +174,9 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       buffers.stats = MutableSlice(*stats, r, plan.repeats);
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteForward(call.handle.get(), buffers, call.workspace));
+    }
+    if (plan.optional.tails) {
+      JAX_SDPA_RETURN_IF_ERROR(ZeroTokenTails(stream, device, *plan.optional.tails, 0, *o));
     }
     if (plan.optional.poison_rows) {
       JAX_SDPA_RETURN_IF_ERROR(PoisonFirstTokens(stream, device, *plan.optional.poison_rows, *o));
@@ -205,10 +216,10 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       const ffi::AnyBuffer& bias = *plan.optional.bias;
       JAX_SDPA_RETURN_IF_ERROR(CheckShape(*dbias, bias.element_type(),
                                           ToVector(bias.dimensions()), "bias gradient"));
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, *dbias));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, ZeroFirst(attributes), *dbias));
     }
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, out));
+      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, out));
     }
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
                               GivenWorkspace(extra_results, dbias ? 1 : 0, attributes));
@@ -226,6 +237,11 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       if (dbias) buffers.dbias = MutableSlice(*dbias, r, plan.repeats);
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteBackward(call.handle.get(), buffers, call.workspace));
+    }
+    if (plan.optional.tails) {
+      JAX_SDPA_RETURN_IF_ERROR(ZeroTokenTails(stream, device, *plan.optional.tails, 0, *dq));
+      JAX_SDPA_RETURN_IF_ERROR(ZeroTokenTails(stream, device, *plan.optional.tails, 1, *dk));
+      JAX_SDPA_RETURN_IF_ERROR(ZeroTokenTails(stream, device, *plan.optional.tails, 1, *dv));
     }
     if (plan.optional.poison_rows) {
       for (ffi::AnyBuffer gradient : {*dq, *dk, *dv}) {
@@ -255,7 +271,8 @@ auto AttentionBinding() {
 
 auto ForwardBinding() {
   return AttentionBinding()
-      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows]
+      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
+                        // [tails]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
       .RemainingRets()        // [workspace]
@@ -267,7 +284,8 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
-      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows]
+      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
+                        // [tails]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv

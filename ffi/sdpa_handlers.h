@@ -1,14 +1,15 @@
 // XLA FFI handlers for cuDNN SDPA on CUDA:
-//   forward:  (q, k, v, [bias], [q_lengths, kv_lengths], [offsets], [seed], [poison_rows])
-//             -> (o, stats)
+//   forward:  (q, k, v, [bias], [q_lengths, kv_lengths], [offsets], [seed], [poison_rows],
+//             [tails]) -> (o, stats)
 //   backward: (q, k, v, o, stats, d_o, [bias], [q_lengths, kv_lengths], [offsets], [seed],
-//             [poison_rows]) -> (dq, dk, dv, [dbias])
+//             [poison_rows], [tails]) -> (dq, dk, dv, [dbias])
 // Per example, q/dq are [batch, q_seq, q_heads, head_dim], k/dk [batch, kv_seq, kv_heads,
 // head_dim], v/dv [batch, kv_seq, kv_heads, head_dim_v], o/d_o [batch, q_seq, q_heads,
 // head_dim_v], stats float32 [batch, q_heads, q_seq] (log-sum-exp of each scaled score row),
 // bias [1|batch, 1|q_heads, q_seq, kv_seq] in the inputs' dtype, lengths int32 [batch], seed
 // uint32 [4] (Philox seed and offset), poison_rows int32 [batch]: rows whose first token of o
-// (dq, dk, dv) the handler sets to NaN after cuDNN ran (poison_rows.h).
+// (dq, dk, dv) the handler sets to NaN after cuDNN ran, tails int32 [batch, 2]: each row's
+// query and key tokens past which o, dq (dk, dv) become zeros after cuDNN ran (row_fills.h).
 // Ragged (packed documents): lengths are int32 [documents] (each document's query and key/value
 // tokens), offsets int32 [5, R] (R >= documents + 1) the element offsets of each document in q,
 // k, v, o and stats, and stats are token-major: float32 [batch, q_seq, q_heads].

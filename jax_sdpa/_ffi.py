@@ -13,9 +13,17 @@ from jax_sdpa import _extension, command_buffers
 from jax_sdpa.varying import varying_like
 
 
+def _tails(inputs):
+    """int32 [B, 2]: each row's query and key tokens cuDNN writes, the handler zero-filling
+    past them: the lengths, or 0 where the other side has none."""
+    q_lengths, kv_lengths = inputs["q_lengths"], inputs["kv_lengths"]
+    return jnp.stack([jnp.where(kv_lengths > 0, q_lengths, 0),
+                      jnp.where(q_lengths > 0, kv_lengths, 0)], axis=-1).astype(jnp.int32)
+
+
 def _optional_operands(inputs, ragged_operands, config, poison_rows):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
-    when ragged), [offsets], [dropout_seed], [poison_rows]."""
+    when ragged), [offsets], [dropout_seed], [poison_rows], [tails]."""
     operands = [inputs["bias"]] if config.has_bias else []
     if ragged_operands is not None:
         operands += list(ragged_operands)
@@ -25,6 +33,8 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows):
         operands.append(inputs["dropout_seed"])
     if poison_rows is not None:
         operands.append(poison_rows.astype(jnp.int32))
+    if config.zero_fill(ragged=ragged_operands is not None) == "tails":
+        operands.append(_tails(inputs))
     return operands
 
 

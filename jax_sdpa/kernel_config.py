@@ -92,6 +92,22 @@ class KernelConfig:
                    "sinks": self.has_sinks}
         return tuple(name for name in INPUTS if present[name])
 
+    def zero_fill(self, *, ragged: bool = False, paged: bool = False) -> str:
+        """What the handler makes of the elements cuDNN leaves unwritten (tokens past a length,
+        or of no document) so that they are zeros: "tails", the tokens past each row's
+        lengths, after cuDNN ran (the int32 [B, 2] tails operand); "all", every output before
+        cuDNN runs; "" nothing, where cuDNN writes every element. Tails suffice where cuDNN
+        writes every token within the lengths: a dense call whose rows there all see a key
+        (no left window bound or bottom-right band to empty one), or documents of one packed
+        row that cover it up to its lengths (self-attention, one lengths array for both)."""
+        if not (self.has_lengths or (ragged and self.segments == "cross")):
+            return ""
+        if paged:
+            return "all"
+        if ragged:
+            return "tails" if self.segments == "self" and self.same_lengths else "all"
+        return "tails" if self.window_left < 0 and not self.bottom_right else "all"
+
     def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
                        paged: bool = False, poison_rows: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them),
@@ -100,9 +116,7 @@ class KernelConfig:
         (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
         values are page pools read through a page table (forward only); poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN."""
-        # Tokens of no document (past a length, or whose id the other side lacks) and rows past
-        # a length are left unwritten by cuDNN: the handler zero-fills those outputs first.
-        zero_outputs = self.has_lengths or (ragged and self.segments == "cross")
+        zero_fill = self.zero_fill(ragged=ragged, paged=paged)
         return dict(scale=np.float32(self.scale), soft_cap=np.float32(self.logits_soft_cap),
                     window_left=np.int64(self.window_left),
                     window_right=np.int64(self.window_right),
@@ -112,5 +126,6 @@ class KernelConfig:
                     max_document_kv=np.int64(max_document[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
-                    zero_outputs=bool(zero_outputs), poison_rows=bool(poison_rows),
+                    zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
+                    poison_rows=bool(poison_rows),
                     debug=np.int64(self.debug))

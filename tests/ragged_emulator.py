@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import reference_kernel
+from jax_sdpa import _ffi, reference_kernel
 
 
 def _token_documents(starts, lengths, total):
@@ -62,11 +62,19 @@ def _ragged_attention(query, key, value, config, ragged_operands, max_document):
         batch, q_seq_len, q_heads), q_doc >= 0, kv_doc >= 0)
 
 
-def _unwritten(x, covered, config):
-    """What cuDNN leaves in tokens of no document (covered: bool [B * T], x: [B, T, ...]):
-    zeros if the handler zero-fills, else NaN."""
-    fill = 0.0 if config.ffi_attributes(ragged=True)["zero_outputs"] else jnp.nan
-    return jnp.where(covered.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x, fill)
+def _unwritten(x, covered, config, inputs, side):
+    """What the handler leaves in tokens of no document (covered: bool [B * T], x: [B, T, ...]):
+    zeros where it zero-fills (every such token, or those past the row's lengths: side 0 the
+    queries', 1 the keys'), else NaN."""
+    fill = config.zero_fill(ragged=True)
+    zeros = jnp.full(x.shape[:2], fill == "all")
+    if fill == "tails":
+        tails = _ffi._tails(inputs)[:, side]
+        zeros = jnp.arange(x.shape[1])[None, :] >= tails[:, None]
+    keep = covered.reshape(x.shape[:2])
+    fill_value = jnp.where(zeros, 0.0, jnp.nan)
+    expand = lambda m: m.reshape(m.shape + (1,) * (x.ndim - 2))  # noqa: E731
+    return jnp.where(expand(keep), x, expand(fill_value).astype(x.dtype))
 
 
 def _poisoned(x, poison_rows):
@@ -84,8 +92,11 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
                                                  max_document)
-    out = _unwritten(out, q_covered, config).astype(query.dtype)
-    return _poisoned(out, poison_rows), _unwritten(stats, q_covered, config)
+    out = _unwritten(out, q_covered, config, inputs, 0).astype(query.dtype)
+    # (the stats are zero-filled first whenever anything is)
+    stats_fill = jnp.where(config.zero_fill(ragged=True) != "", 0.0, jnp.nan)
+    stats = jnp.where(q_covered.reshape(stats.shape[:2])[..., None], stats, stats_fill)
+    return _poisoned(out, poison_rows), stats
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
@@ -100,7 +111,10 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     dq, dk, dv = vjp(d_output.astype(jnp.float32))
     _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands,
                                                     max_document)
-    return (_poisoned(_unwritten(dq, q_covered, config).astype(query.dtype), poison_rows),
-            _poisoned(_unwritten(dk, kv_covered, config).astype(key.dtype), poison_rows),
-            _poisoned(_unwritten(dv, kv_covered, config).astype(value.dtype), poison_rows),
+    return (_poisoned(_unwritten(dq, q_covered, config, inputs, 0).astype(query.dtype),
+                      poison_rows),
+            _poisoned(_unwritten(dk, kv_covered, config, inputs, 1).astype(key.dtype),
+                      poison_rows),
+            _poisoned(_unwritten(dv, kv_covered, config, inputs, 1).astype(value.dtype),
+                      poison_rows),
             None)

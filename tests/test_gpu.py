@@ -108,6 +108,31 @@ def test_every_output_element_is_written():
                                                            scale=0.125))
 
 
+@pytest.mark.parametrize("mask", ["causal", "full", "window"])
+def test_every_element_is_written_with_lengths(mask):
+    """With sequence lengths the handler zero-fills only the tokens past each row's lengths,
+    after cuDNN ran (a window, which can leave rows within them seeing nothing, zero-fills
+    everything first): every element within them must be cuDNN's (poisoned before it runs),
+    and rows past a length, or of a batch entry with no keys (or no queries), exact zeros."""
+    q, k, v, d_out = random_qkv(8, 4, 257, 301, 8, 2, 64, jnp.bfloat16)
+    q_lengths = jnp.array([257, 100, 0, 31], jnp.int32)
+    kv_lengths = jnp.array([301, 7, 50, 0], jnp.int32)
+    kwargs = dict(query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+                  is_causal=mask == "causal",
+                  local_window_size=(20, 5) if mask == "window" else None)
+    with debug.poison_outputs():
+        ours = cudnn_vjp(q, k, v, d_out, **kwargs)
+    for name, x in zip(("output", "dq", "dk", "dv"), ours):
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+    out, dq, dk, dv = (np.asarray(x, np.float32) for x in ours)
+    for row, (n_q, n_kv) in enumerate(zip(q_lengths.tolist(), kv_lengths.tolist())):
+        seen_q = n_q if n_kv > 0 else 0
+        seen_kv = n_kv if n_q > 0 else 0
+        assert not np.any(out[row, seen_q:]) and not np.any(dq[row, seen_q:]), row
+        assert not np.any(dk[row, seen_kv:]) and not np.any(dv[row, seen_kv:]), row
+    assert_close_to_reference(ours, reference_vjp(q, k, v, d_out, **kwargs), mask)
+
+
 def test_compiled_hlo_calls_our_targets_only():
     q, k, v, _ = random_qkv(7, 1, 128, 128, 4, 4, 64, jnp.float16)
     grad = jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(

@@ -82,6 +82,29 @@ def test_every_packed_output_element_is_written():
         assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
 
 
+def test_every_varlen_element_is_written():
+    """varlen (self-attention, one lengths array for both sides): the handler zero-fills only
+    the padding past the last sequence, after cuDNN ran; everything before it is cuDNN's."""
+    q, k, v, d_out = random_qkv(33, 1, 2501, 2501, 4, 2, 64, jnp.bfloat16)
+    flat = [x[0] for x in (q, k, v, d_out)]
+    cu = jnp.array([0, 1, 700, 707, 1900, 2390], jnp.int32)  # 111 tokens of padding
+    with debug.poison_outputs():
+        fn = jax.jit(lambda q, k, v: jax_sdpa.varlen_attention(
+            q, k, v, cu, is_causal=True, max_seqlen_q=1193, implementation="cudnn"))
+        out, vjp = jax.vjp(fn, *flat[:3])
+        grads = vjp(flat[3])
+    for name, x in zip(("output", "dq", "dk", "dv"), (out, *grads)):
+        x = np.asarray(x, np.float32)
+        assert np.all(np.isfinite(x)), f"{name} kept poisoned elements"
+        assert not np.any(x[2390:]), f"{name}: padding not zero"
+
+    def reference(q, k, v):
+        return jax_sdpa.varlen_attention(q, k, v, cu, is_causal=True, implementation="xla")
+    up = [x.astype(jnp.float32) for x in flat]
+    ref_out, ref_vjp = jax.vjp(jax.jit(reference), *up[:3])
+    assert_close_to_reference((out, *grads), (ref_out, *ref_vjp(up[3])), "varlen")
+
+
 def test_packed_lse_and_deterministic_backward():
     rng = np.random.default_rng(4)
     q, k, v, d_out = random_qkv(32, 2, 768, 768, 4, 2, 128, jnp.bfloat16)
