@@ -124,12 +124,18 @@ def test_every_element_is_written_with_lengths(mask):
         ours = cudnn_vjp(q, k, v, d_out, **kwargs)
     for name, x in zip(("output", "dq", "dk", "dv"), ours):
         assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+    # Exact zeros: query rows past a length or of an entry without keys, and keys past a
+    # length or of an entry without queries (with a window, rows that see no key average
+    # every value, as jax.nn's: the values' gradient reaches every key then).
+    q_seen = np.where(kv_lengths > 0, q_lengths, 0)
+    kv_seen = np.where(q_lengths > 0, kv_lengths, 0)
+    past_q = np.arange(257)[None] >= q_seen[:, None]
+    past_kv = np.arange(301)[None] >= kv_seen[:, None]
     out, dq, dk, dv = (np.asarray(x, np.float32) for x in ours)
-    for row, (n_q, n_kv) in enumerate(zip(q_lengths.tolist(), kv_lengths.tolist())):
-        seen_q = n_q if n_kv > 0 else 0
-        seen_kv = n_kv if n_q > 0 else 0
-        assert not np.any(out[row, seen_q:]) and not np.any(dq[row, seen_q:]), row
-        assert not np.any(dk[row, seen_kv:]) and not np.any(dv[row, seen_kv:]), row
+    assert not np.any(out[past_q]) and not np.any(dq[past_q])
+    assert not np.any(dk[past_kv])
+    if mask != "window":
+        assert not np.any(dv[past_kv])
     assert_close_to_reference(ours, reference_vjp(q, k, v, d_out, **kwargs), mask)
 
 
