@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp
 from jax_sdpa.planning import CudnnPlan
-from jax_sdpa.reference import combined_mask, large_negative, mean_value
+from jax_sdpa.reference import combined_mask, fill_empty_rows, mean_value
 from jax_sdpa.validation import AttentionCall
 
 
@@ -112,16 +112,14 @@ def _uniform_rows(call: AttentionCall, mask, output, lse):
         # as the reference's, and their lse the sink's.
         return output, lse
     empty = _rows_seeing_nothing(call, mask)  # [B|1, N|1, T]
-    empty_btn = jnp.swapaxes(empty, 1, 2)[..., None]  # [B|1, T, N|1, 1]
     average = mean_value(q_heads, call.value)[:, None]  # [B, 1, N, Hv]
-    output = jnp.where(empty_btn, average.astype(output.dtype), output)
+    output, lse = fill_empty_rows(output, lse, empty, average)
     if call.query_seq_lengths is not None:
         valid = jnp.arange(q_seq_len)[None, :] < call.query_seq_lengths[:, None]
         output = output * valid[:, :, None, None].astype(output.dtype)
     if call.key_value_seq_lengths is not None:
         output = output * (call.key_value_seq_lengths > 0)[:, None, None, None].astype(
             output.dtype)
-    lse = jnp.where(empty, large_negative(), lse)
     return output, lse
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, packing, reference_kernel, sinks
-from jax_sdpa.reference import large_negative, mean_value
+from jax_sdpa.reference import fill_empty_rows, mean_value
 
 
 def forward(config, inputs):
@@ -62,9 +62,7 @@ def _clear_rows_seeing_nothing(output, stats):
     padding mode: rows whose every score is masked (past a query length, or a key length of 0)
     come back non-finite. They become zeros with the reference's large negative lse, which
     also keeps the backward's exp(scores - lse) at 0 there."""
-    empty = ~jnp.isfinite(stats)  # [B, N, T]
-    output = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), output.dtype), output)
-    return output, jnp.where(empty, large_negative(), stats)
+    return fill_empty_rows(output, stats, ~jnp.isfinite(stats), 0)
 
 
 def _without_sinks(inputs):
@@ -153,8 +151,7 @@ def _ragged_forward(config, docs, plan, inputs, poison_rows=None):
         if poison_rows is not None:  # a poisoned row stays NaN
             uniform &= ~poison_rows[:, None]
         average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
-        output = jnp.where(uniform[:, :, None, None], average.astype(output.dtype), output)
-        stats = jnp.where(uniform[:, None, :], large_negative(), stats)
+        output, stats = fill_empty_rows(output, stats, uniform[:, None, :], average)
     return output, stats
 
 

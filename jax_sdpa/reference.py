@@ -24,6 +24,15 @@ def mean_value(q_heads, value):
     return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
 
 
+def fill_empty_rows(output, lse, empty, fill):
+    """output [B, T, N, Hv] and lse [B, N, T] with the rows `empty` (bool, broadcastable to
+    [B, N, T]) holding `fill` (broadcastable to [B, T, N, Hv]: 0, or the average of the values)
+    and the lse of a row that sees no key."""
+    empty_btn = jnp.swapaxes(empty, -1, -2)[..., None]  # [B|1, T, N|1, 1]
+    output = jnp.where(empty_btn, jnp.asarray(fill).astype(output.dtype), output)
+    return output, jnp.where(empty, large_negative(), lse)
+
+
 def large_negative() -> float:
     # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
     return -0.7 * float(np.finfo(np.float32).max)
