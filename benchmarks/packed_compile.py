@@ -43,7 +43,7 @@ def _patched(module, **values):
     """Module globals replaced while the block traces. JAX caches the custom_vjp's traced
     functions by (function, config, shapes), which a patched global is not part of: without
     clearing those caches on the way in and out, a later trace silently reuses the patched
-    one (that made every variant here the last one compiled until 2026-11-30, sixth session)."""
+    one, and every variant measures whichever was traced first."""
     saved = {name: getattr(module, name) for name in values}
     jax.clear_caches()
     for name, value in values.items():
@@ -105,7 +105,7 @@ def _without_switch():
 def _its_plan_only(config):
     """The plan table cut to the one plan the shipped call picks for this config's documents
     (the same kernels: with and without the switch then differ by the switch alone; the
-    largest plan, used before the sixth session, runs other kernels on cuDNN 9.28)."""
+    largest plan would run other kernels on cuDNN 9.28)."""
     entries, bound, _ = ragged_layout(config, DEFAULT_MAX_SEGMENTS)
     return _patched(kernels, _plans=lambda *args: [(entries, (bound, bound))])
 
@@ -121,9 +121,8 @@ def timed_variants(config, ids, rounds):
     cases = [  # (name, attention, the patches active while it is traced)
         ("packed, as shipped", packed, []),
         ("packed, its plan + fallback, switch", packed, [_its_plan_only(config)]),
-        # Shipped 1.18x against 1.14-1.15x with its plan alone in the switch (2026-11-30): does
-        # a switch cost more with more branches? Four plans (2 bounds x 2 entry levels) here;
-        # 4x2048 picks the same plan from them (8x1024 does not: a 2048 bound).
+        # Does a switch cost more with more branches? Four plans (2 bounds x 2 entry levels)
+        # here; 4x2048 picks the same plan from them (8x1024 does not: a 2048 bound).
         ("packed, 4 plans + fallback, switch", packed,
          [_patched(kernels, _LENGTH_FRACTIONS=(4, 1))]),
         ("packed, its plan, no switch", packed, [_its_plan_only(config), _without_switch()]),

@@ -7,9 +7,9 @@ Traces, in one process, the ragged graph alone (the developer tools' plan timing
 inputs laid out like the call's: benchmarks.plans --ragged) and jax_sdpa's packed fwd+bwd call
 as shipped, and prints for each the GPU time per kernel name, the kernels' launch shapes
 (grid and block) and, for the call, the document bounds its lowered plans pass and the dO.O and
-bprop events in time order. The launch shapes say which plan ran: this is how the sixth session
-(2026-11-30) found that a packed "as shipped" figure on cuDNN 9.28 was the largest plan's (256
-entries x 8192: grid 1024x256x16 for dO.O) and not the shipped one's (32 x 2048: 256x32x16).
+bprop events in time order. The launch shapes say which plan ran (e.g. on 4x2048 the largest
+plan's dO.O grid is 1024x256x16 for 256 entries x 8192, the shipped one's 256x32x16 for
+32 x 2048), so a figure measured on the wrong plan shows.
 """
 
 from __future__ import annotations
