@@ -11,6 +11,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "call_attributes.h"
@@ -93,17 +94,14 @@ NB_MODULE(_sdpa_ffi, m) {
       "The cuDNN workspace (bytes) of a call: operands as (dtype name, dims) in the handler's "
       "order, attributes by name. Builds the call's graph on `device` (or finds it cached).");
   m.def("graph_cache_stats", []() {
-    jax_sdpa::GraphCacheStats stats = jax_sdpa::GraphCache::Global().stats();
+    jax_sdpa::GraphCacheStats s = jax_sdpa::GraphCache::Global().stats();
+    const std::pair<const char*, int64_t> counts[] = {
+        {"entries", s.entries},       {"capacity", s.capacity},     {"builds", s.builds},
+        {"hits", s.hits},             {"evictions", s.evictions},   {"retired", s.retired},
+        {"disk_loads", s.disk_loads}, {"disk_writes", s.disk_writes},
+        {"disk_rejects", s.disk_rejects}};
     nb::dict result;
-    result["entries"] = stats.entries;
-    result["capacity"] = stats.capacity;
-    result["builds"] = stats.builds;
-    result["hits"] = stats.hits;
-    result["evictions"] = stats.evictions;
-    result["retired"] = stats.retired;
-    result["disk_loads"] = stats.disk_loads;
-    result["disk_writes"] = stats.disk_writes;
-    result["disk_rejects"] = stats.disk_rejects;
+    for (const auto& [name, count] : counts) result[name] = count;
     return result;
   });
 }
