@@ -19,7 +19,7 @@ LAYERS = [
     {"kernels"},                                         # the kernel switch, packed layout
     {"_ffi", "reference_kernel", "packing", "debug", "sinks"},  # FFI, reference, tables, sinks
     {"reference", "validation", "kernel_config", "_warnings", "versions",  # leaves
-     "_extension", "command_buffers", "varying"},
+     "_extension", "command_buffers", "varying", "fp8_reference"},
 ]
 
 
