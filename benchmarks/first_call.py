@@ -52,9 +52,10 @@ def child(config_name, implementation, mode):
                           first_call_s=first - start)), flush=True)
 
 
-def measure(config_name, implementation, mode, timeout):
-    command = [sys.executable, "-m", "benchmarks.first_call", "--child", config_name,
-               implementation, mode]
+def in_fresh_process(module, child_args, timeout):
+    """`python -m module --child *child_args`: the JSON line it printed last, or
+    {"error": why} (its exception's line)."""
+    command = [sys.executable, "-m", module, "--child", *child_args]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,8 +63,15 @@ def measure(config_name, implementation, mode, timeout):
         return dict(error=f"over {timeout} s")
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
-        return dict(error=(result.stderr.strip().splitlines() or ["no output"])[-1][:200])
+        errors = result.stderr.strip().splitlines() or ["no output"]
+        raised = [line for line in errors if "Error" in line.split(":")[0]]
+        return dict(error=(raised or errors)[-1][:200])
     return json.loads(lines[-1])
+
+
+def measure(config_name, implementation, mode, timeout):
+    return in_fresh_process("benchmarks.first_call", (config_name, implementation, mode),
+                            timeout)
 
 
 def markdown(rows):
@@ -80,14 +88,28 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def fresh_process_parser(description, child_args, implementations=None):
+    """--only CONFIG, --impl NAME (repeatable), --out DIR, --timeout s, and the child's own
+    --child with child_args values."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", action="append", default=[])
-    parser.add_argument("--impl", action="append", default=[])
+    parser.add_argument("--impl", action="append", default=[], choices=implementations)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--child", nargs=child_args, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def record(out, name, header, rows, row):
+    """Appends row (printed as it comes) and rewrites name.json under out."""
+    print(row, file=sys.stderr, flush=True)
+    rows.append(row)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(dict(header=header, rows=rows), f, indent=1)
+
+
+def main(argv=None):
+    args = fresh_process_parser(__doc__.splitlines()[0], 3).parse_args(argv)
     if args.child:
         child(*args.child)
         return
@@ -103,12 +125,9 @@ def main(argv=None):
             if args.impl and implementation not in args.impl:
                 continue
             for mode in MODES:
-                row = dict(config=config.name, impl=implementation, mode=mode,
-                           **measure(config.name, implementation, mode, args.timeout))
-                print(row, file=sys.stderr, flush=True)
-                rows.append(row)
-                with open(os.path.join(args.out, "first_call.json"), "w") as f:
-                    json.dump(dict(header=header, rows=rows), f, indent=1)
+                record(args.out, "first_call", header, rows,
+                       dict(config=config.name, impl=implementation, mode=mode,
+                            **measure(config.name, implementation, mode, args.timeout)))
     write_markdown(args.out, "first_call.md", header, markdown(rows))
 
 
