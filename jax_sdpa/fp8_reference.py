@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_sdpa.reference import combined_mask, large_negative
+
 FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 _P_SCALE = 448.0  # softmax weights are at most 1: e4m3's largest value maps onto 1
 _P_ROUNDING = 1.0 + 2.0 ** -4  # how far e4m3's rounding can lift a row of weights' sum
@@ -60,9 +62,8 @@ def _scores(q, k, scale, is_causal):
     causal: top-left, as jax.nn's."""
     scores = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
     if is_causal:
-        t, s = scores.shape[-2:]
-        keep = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
-        scores = jnp.where(keep, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
+        keep = combined_mask(*scores.shape[-2:], is_causal=True)
+        scores = jnp.where(keep, scores, large_negative())
     return scores
 
 
@@ -108,4 +109,4 @@ def _backward(scale, is_causal, grad_format, residuals, d_out):
     return tuple(_scaled(g, grad_format).astype(x.dtype) for g, x in zip((dq, dk, dv), dtypes))
 
 
-attention.defvjp(lambda *args: _forward(*args), _backward)
+attention.defvjp(_forward, _backward)
