@@ -34,6 +34,11 @@ def _jax_sdpa(q, k, v, causal):
     return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
+def _jax_sdpa_fp8(q, k, v, causal):
+    return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                          fp8=True)
+
+
 def _jax_sdpa_in_mode(value):
     def attention(q, k, v, causal):
         with _command_buffers(value):
@@ -53,6 +58,8 @@ def available(config, command_buffers=False):
         flash_mha = None
     if flash_mha is not None and config.head_dim == 128:
         found["flash-attn3-jax"] = lambda q, k, v, causal: flash_mha(q, k, v, is_causal=causal)
+    if config.head_dim == 128:  # cuDNN's FP8 backward on Hopper: head_dim 128 only
+        found["jax_sdpa fp8"] = _jax_sdpa_fp8
     if config.run_xla:
         found["jax.nn xla"] = _jax_nn("xla")
     return found

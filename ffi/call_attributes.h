@@ -25,6 +25,7 @@
   SEP X(bool, bias_grad)                                                             \
   SEP X(bool, deterministic)                                                         \
   SEP X(float, dropout)                                                              \
+  SEP X(int64_t, fp8_gradients) /* FP8 call: its backward's ElementType; 0: not FP8 */ \
   SEP X(bool, zero_outputs) /* elements no document or length covers stay zero */    \
   SEP X(bool, poison_rows)  /* int32 [rows] operand: rows whose first token becomes NaN */ \
   SEP X(bool, zero_tails) /* int32 [rows, 2] operand: tokens past them become zero */     \

@@ -21,9 +21,40 @@ ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const ch
       return ElementType::kFloat16;
     case ffi::DataType::BF16:
       return ElementType::kBFloat16;
+    case ffi::DataType::F8E4M3FN:
+      return ElementType::kFloat8E4M3;
+    case ffi::DataType::F8E5M2:
+      return ElementType::kFloat8E5M2;
     default:
-      return Failure{InvalidArgument(std::string(name) + " must be float16 or bfloat16")};
+      return Failure{InvalidArgument(std::string(name) +
+                                     " must be float16, bfloat16 or (FP8) float8_e4m3fn")};
   }
+}
+
+// An FP8 call: e4m3 operands, its backward's format, float32 scales per vmapped slice, and
+// only the causal mask and sequence lengths (what cuDNN's FP8 graphs take here).
+ffi::Error CheckFp8Call(Direction direction, const SdpaConfig& c, const OptionalInputs& optional,
+                        int64_t vmapped) {
+  if (c.element_type != ElementType::kFloat8E4M3 || !IsFp8(c.gradient_type)) {
+    return InvalidArgument("an FP8 call takes float8_e4m3fn operands and an FP8 gradient format");
+  }
+  bool causal_only = c.window_left < 0 && (c.window_right < 0 || c.window_right == 0) &&
+                     !c.bottom_right;
+  if (!causal_only || c.soft_cap > 0 || c.ragged || c.dropout > 0 || optional.bias ||
+      c.page_size > 0) {
+    return InvalidArgument("an FP8 call takes no window but causal (top-left), soft-cap, bias, "
+                           "dropout, packed documents or paging: " + c.ToString());
+  }
+  const ffi::AnyBuffer& scales = *optional.fp8_scales;
+  int64_t expected = vmapped * Fp8ScaleCount(direction) * kFp8ScaleRow;
+  if (scales.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(scales.element_count()) != expected) {
+    return InvalidArgument("FP8 scales must be float32 [" +
+                           std::to_string(Fp8ScaleCount(direction)) + ", " +
+                           std::to_string(kFp8ScaleRow) + "] per call, got " +
+                           DimsToString(scales.dimensions()));
+  }
+  return ffi::Error::Success();
 }
 
 // Reads the operands into a graph config; every shape is checked here, before cuDNN sees it.
@@ -78,6 +109,16 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   c.padding = attributes.has_lengths;
   c.ragged = attributes.ragged;
   c.dropout = attributes.dropout;
+  c.gradient_type = attributes.fp8_gradients
+                        ? static_cast<ElementType>(attributes.fp8_gradients)
+                        : c.element_type;
+  if (IsFp8(c.element_type) != (attributes.fp8_gradients != 0)) {
+    return Failure{InvalidArgument("FP8 operands go with the fp8_gradients attribute, and only "
+                                   "they do")};
+  }
+  if (attributes.fp8_gradients) {
+    JAX_SDPA_RETURN_IF_ERROR(CheckFp8Call(direction, c, optional, vmapped));
+  }
   if (c.ragged && !c.padding) {
     return Failure{InvalidArgument("the ragged layout needs per-document lengths")};
   }
@@ -118,7 +159,8 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   // batch: a bias shared by the slice's batch (no single batch stride says that), a dropout
   // seed per slice, or documents whose offsets count from their slice's start.
   bool shared_bias = optional.bias && optional.bias->dimensions()[rank - 4] == 1 && batch > 1;
-  bool per_slice = vmapped > 1 && (shared_bias || c.dropout > 0 || c.ragged);
+  bool per_slice = vmapped > 1 && (shared_bias || c.dropout > 0 || c.ragged ||
+                                    attributes.fp8_gradients != 0);
   plan.repeats = per_slice ? vmapped : 1;
   int64_t folded_batch = per_slice ? batch : vmapped * batch;
   if (c.ragged) {
@@ -220,6 +262,9 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
 
 }  // namespace
 
+int64_t Fp8ScaleCount(Direction direction) { return direction == Direction::kForward ? 6 : 13; }
+int64_t Fp8AmaxCount(Direction direction) { return direction == Direction::kForward ? 2 : 4; }
+
 ffi::Error CheckShape(const ffi::AnyBuffer& buffer, ffi::DataType type,
                       const std::vector<int64_t>& expected, const char* name) {
   auto dims = buffer.dimensions();
@@ -246,6 +291,7 @@ ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const ff
                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                    OptionalInputs optional, const CallAttributes& attributes) {
   if (attributes.paged) {
+    if (attributes.fp8_gradients) return Failure{InvalidArgument("a paged call is not FP8")};
     if (direction == Direction::kBackward) {
       return Failure{InvalidArgument("paged attention has no backward")};
     }

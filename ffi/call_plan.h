@@ -15,11 +15,18 @@
 namespace jax_sdpa {
 
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
-// [page_table], [dropout_seed], [poison_rows], [tails].
+// [page_table], [dropout_seed], [poison_rows], [tails], [fp8_scales].
 struct OptionalInputs {
   std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
-      poison_rows, tails;
+      poison_rows, tails, fp8_scales;
 };
+
+// An FP8 call's float32 scale factors, one per row of 4 floats (cuDNN reads each as a
+// [1, 1, 1, 1] tensor and wants it 16-byte aligned), in sdpa_graphs.h's Fp8Scale order; and its
+// amaxes, one result of the same layout.
+constexpr int64_t kFp8ScaleRow = 4;
+int64_t Fp8ScaleCount(Direction direction);
+int64_t Fp8AmaxCount(Direction direction);
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
 // time on the next 1/repeats of every operand.
@@ -40,7 +47,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.has_lengths ? 2 : 0) +
                     (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
                     (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
-                    (attributes.zero_tails ? 1 : 0);
+                    (attributes.zero_tails ? 1 : 0) + (attributes.fp8_gradients ? 1 : 0);
   if (count != expected) {
     return Failure{InvalidArgument("expected " + std::to_string(expected) +
                                    " optional operands, got " + std::to_string(count))};
@@ -63,6 +70,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
   if (attributes.poison_rows) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.poison_rows));
   if (attributes.zero_tails) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.tails));
+  if (attributes.fp8_gradients) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.fp8_scales));
   return inputs;
 }
 

@@ -17,7 +17,8 @@ int32_t FloatBits(float value) {
 // Every field, floats by their bits: two scales that print alike must not share a graph.
 auto Fields(const SdpaConfig& c) {
   return std::make_tuple(static_cast<int32_t>(c.direction), c.device,
-                         static_cast<int32_t>(c.element_type), c.batch, c.q_seq_len,
+                         static_cast<int32_t>(c.element_type),
+                         static_cast<int32_t>(c.gradient_type), c.batch, c.q_seq_len,
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
                          FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left,
                          c.window_right, c.bottom_right,
@@ -29,6 +30,20 @@ auto Fields(const SdpaConfig& c) {
 
 }  // namespace
 
+const char* ElementTypeName(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat16:
+      return "float16";
+    case ElementType::kBFloat16:
+      return "bfloat16";
+    case ElementType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case ElementType::kFloat8E5M2:
+      return "float8_e5m2";
+  }
+  return "unknown";
+}
+
 bool SdpaConfig::operator==(const SdpaConfig& other) const {
   return Fields(*this) == Fields(other);
 }
@@ -37,8 +52,9 @@ std::string SdpaConfig::ToString() const {
   std::ostringstream out;
   out << "SdpaConfig{" << (direction == Direction::kForward ? "forward" : "backward")
       << ", device=" << device
-      << ", dtype=" << (element_type == ElementType::kFloat16 ? "float16" : "bfloat16")
-      << ", batch=" << batch << ", q_seq_len=" << q_seq_len << ", kv_seq_len=" << kv_seq_len
+      << ", dtype=" << ElementTypeName(element_type);
+  if (IsFp8(element_type)) out << ", gradients=" << ElementTypeName(gradient_type);
+  out << ", batch=" << batch << ", q_seq_len=" << q_seq_len << ", kv_seq_len=" << kv_seq_len
       << ", q_heads=" << q_heads << ", kv_heads=" << kv_heads << ", head_dim=" << head_dim
       << ", head_dim_v=" << head_dim_v << ", scale=" << scale;
   if (soft_cap > 0) out << ", soft_cap=" << soft_cap;

@@ -8,7 +8,15 @@
 
 namespace jax_sdpa {
 
-enum class ElementType : int32_t { kFloat16 = 0, kBFloat16 = 1 };
+// FP8 calls (sdpa_fp8, sdpa_fp8_backward) take Q, K, V (and O) in e4m3; their backward's dO,
+// its internal dS and the gradients come in one FP8 format of their own (gradient_type).
+enum class ElementType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat8E4M3 = 2, kFloat8E5M2 = 3 };
+
+inline bool IsFp8(ElementType type) {
+  return type == ElementType::kFloat8E4M3 || type == ElementType::kFloat8E5M2;
+}
+
+const char* ElementTypeName(ElementType type);
 
 enum class Direction : int32_t { kForward = 0, kBackward = 1 };
 
@@ -21,6 +29,9 @@ struct SdpaConfig {
   Direction direction = Direction::kForward;
   int32_t device = 0;
   ElementType element_type = ElementType::kFloat16;
+  // Of dO and dQ, dK, dV: element_type, but for an FP8 call (element_type e4m3) its own format.
+  // An FP8 call also takes float32 scale factors and returns float32 amaxes (sdpa_graphs.h).
+  ElementType gradient_type = ElementType::kFloat16;
   // Tensors are [batch, seq, heads, head_dim] in memory (BSHD); cuDNN sees them as BHSD.
   int64_t batch = 0;
   int64_t q_seq_len = 0;

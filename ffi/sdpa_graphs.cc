@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "call_plan.h"
 #include "sdpa_graph_description.h"
 
 namespace jax_sdpa {
@@ -17,7 +18,17 @@ namespace fe = cudnn_frontend;
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 fe::DataType_t FrontendType(ElementType type) {
-  return type == ElementType::kFloat16 ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
+  switch (type) {
+    case ElementType::kFloat16:
+      return fe::DataType_t::HALF;
+    case ElementType::kBFloat16:
+      return fe::DataType_t::BFLOAT16;
+    case ElementType::kFloat8E4M3:
+      return fe::DataType_t::FP8_E4M3;
+    case ElementType::kFloat8E5M2:
+      return fe::DataType_t::FP8_E5M2;
+  }
+  return fe::DataType_t::NOT_SET;
 }
 
 // Which [batch, seq, heads, dim] tensor: query-side (Q, O, dO, dQ) or key-side, and its dim.
@@ -280,6 +291,98 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
   return graph;
 }
 
+// An FP8 call's float32 [1, 1, 1, 1] scale factor or amax.
+TensorPtr AddFloatScalar(fe::graph::Graph& graph, const char* name, int64_t uid) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({1, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::FLOAT));
+}
+
+void SetAmaxOutput(const TensorPtr& amax, int64_t uid) {
+  amax->set_output(true).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1})
+      .set_data_type(fe::DataType_t::FLOAT);
+}
+
+// The causal mask and the lengths, the masking cuDNN's FP8 graphs take (call_plan.cc checks).
+template <typename Options>
+void SetFp8Masking(fe::graph::Graph& graph, const SdpaConfig& c, Options& options) {
+  if (c.window_right == 0) options.set_causal_mask(true);
+  if (c.padding) {
+    options.set_padding_mask(true)
+        .set_seq_len_q(AddInt32Vector(graph, "q_lengths", kQLengths, c.batch))
+        .set_seq_len_kv(AddInt32Vector(graph, "kv_lengths", kKvLengths, c.batch));
+  }
+}
+
+// Q, K, V in e4m3 (descaled inside), the softmax weights quantized with scale_s, the output
+// quantized to e4m3 with scale_o: on Hopper the output is FP8 (the caller dequantizes).
+std::shared_ptr<fe::graph::Graph> DescribeFp8Forward(const SdpaConfig& c) {
+  auto graph = NewGraph(c);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim), nullptr);
+  auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim), nullptr);
+  auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v), nullptr);
+  auto scale = [&](const char* name, Fp8Scale which) {
+    return AddFloatScalar(*graph, name, kFp8Scales + which);
+  };
+  auto options = fe::graph::SDPA_fp8_attributes()
+                     .set_name("jax_sdpa_fp8_forward")
+                     .set_generate_stats(true)
+                     .set_attn_scale(c.scale);
+  SetFp8Masking(*graph, c, options);
+  auto [o, stats, amax_s, amax_o] = graph->sdpa_fp8(
+      q, k, v, scale("descale_q", kDescaleQ), scale("descale_k", kDescaleK),
+      scale("descale_v", kDescaleV), scale("descale_s", kDescaleS), scale("scale_s", kScaleS),
+      scale("scale_o", kScaleO), options);
+  SetBshdOutput(o, kO, c, QuerySide(c, c.head_dim_v), nullptr);
+  o->set_data_type(FrontendType(c.element_type));
+  stats->set_output(true);
+  SetStatsLayout(*stats, c, nullptr);
+  SetAmaxOutput(amax_s, kFp8Amaxes + kAmaxS);
+  SetAmaxOutput(amax_o, kFp8Amaxes + kAmaxO);
+  return graph;
+}
+
+// dO, the internal dS and the gradients in c.gradient_type, each quantized with its scale.
+std::shared_ptr<fe::graph::Graph> DescribeFp8Backward(const SdpaConfig& c) {
+  auto graph = NewGraph(c);
+  auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim), nullptr);
+  auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim), nullptr);
+  auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v), nullptr);
+  auto o = AddBshdTensor(*graph, "O", kO, c, QuerySide(c, c.head_dim_v), nullptr);
+  auto d_o = AddBshdTensor(*graph, "dO", kDO, c, QuerySide(c, c.head_dim_v), nullptr);
+  d_o->set_data_type(FrontendType(c.gradient_type));
+  auto stats = graph->tensor(fe::graph::Tensor_attributes().set_name("Stats"));
+  SetStatsLayout(*stats, c, nullptr);
+  auto scale = [&](const char* name, Fp8Scale which) {
+    return AddFloatScalar(*graph, name, kFp8Scales + which);
+  };
+  auto options = fe::graph::SDPA_fp8_backward_attributes()
+                     .set_name("jax_sdpa_fp8_backward")
+                     .set_attn_scale(c.scale);
+  SetFp8Masking(*graph, c, options);
+  auto [dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp] = graph->sdpa_fp8_backward(
+      q, k, v, o, d_o, stats, scale("descale_q", kDescaleQ), scale("descale_k", kDescaleK),
+      scale("descale_v", kDescaleV), scale("descale_o", kDescaleO),
+      scale("descale_do", kDescaleDO), scale("descale_s", kDescaleS),
+      scale("descale_dp", kDescaleDP), scale("scale_s", kScaleS), scale("scale_dq", kScaleDQ),
+      scale("scale_dk", kScaleDK), scale("scale_dv", kScaleDV), scale("scale_dp", kScaleDP),
+      options);
+  SetBshdOutput(dq, kDQ, c, QuerySide(c, c.head_dim), nullptr);
+  SetBshdOutput(dk, kDK, c, KeySide(c, c.head_dim), nullptr);
+  SetBshdOutput(dv, kDV, c, KeySide(c, c.head_dim_v), nullptr);
+  for (const TensorPtr& gradient : {dq, dk, dv}) {
+    gradient->set_data_type(FrontendType(c.gradient_type));
+  }
+  SetAmaxOutput(amax_dq, kFp8Amaxes + kAmaxDQ);
+  SetAmaxOutput(amax_dk, kFp8Amaxes + kAmaxDK);
+  SetAmaxOutput(amax_dv, kFp8Amaxes + kAmaxDV);
+  SetAmaxOutput(amax_dp, kFp8Amaxes + kAmaxDP);
+  return graph;
+}
+
 ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig& c) {
   return ffi::Error::Internal(std::string("cuDNN frontend ") + step + " failed for " +
                               c.ToString() + ": " + status.get_message());
@@ -314,11 +417,26 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
   }
 }
 
+// An FP8 call's scale factors and amaxes, one row of kFp8ScaleRow floats each.
+void AddFp8Buffers(const SdpaConfig& c, const Fp8Buffers& fp8,
+                   std::unordered_map<int64_t, void*>& pack) {
+  if (!IsFp8(c.element_type)) return;
+  for (int64_t i = 0; i < Fp8ScaleCount(c.direction); ++i) {
+    pack[kFp8Scales + i] = Mutable(fp8.scales + i * kFp8ScaleRow);
+  }
+  for (int64_t i = 0; i < Fp8AmaxCount(c.direction); ++i) {
+    pack[kFp8Amaxes + i] = fp8.amaxes + i * kFp8ScaleRow;
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<fe::graph::Graph> DescribeSdpaGraph(const SdpaConfig& config) {
-  return config.direction == Direction::kForward ? DescribeForward(config)
-                                                 : DescribeBackward(config);
+  bool forward = config.direction == Direction::kForward;
+  if (IsFp8(config.element_type)) {
+    return forward ? DescribeFp8Forward(config) : DescribeFp8Backward(config);
+  }
+  return forward ? DescribeForward(config) : DescribeBackward(config);
 }
 
 struct SdpaGraph::Frontend {
@@ -438,6 +556,7 @@ ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers&
                                      void* workspace) const {
   std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
   AddInputs(config_, b.in, pack);
+  AddFp8Buffers(config_, b.fp8, pack);
   return Execute(handle, pack, workspace);
 }
 
@@ -448,6 +567,7 @@ ffi::Error SdpaGraph::ExecuteBackward(cudnnHandle_t handle, const BackwardBuffer
       {kDQ, b.dq},        {kDK, b.dk},           {kDV, b.dv}};
   AddInputs(config_, b.in, pack);
   if (config_.bias_batch > 0 && config_.bias_grad) pack[kDBias] = b.dbias;
+  AddFp8Buffers(config_, b.fp8, pack);
   return Execute(handle, pack, workspace);
 }
 

@@ -40,12 +40,42 @@ struct AttentionInputs {
   const void* dropout_seed = nullptr;
 };
 
+// An FP8 call's float32 scale factors (each 16-byte aligned: call_plan.h's kFp8ScaleRow), in
+// this order: the forward reads the first six, the backward all thirteen. A descale undoes the
+// scale its tensor was quantized with; scale_s quantizes the softmax weights, scale_o the
+// output, scale_dp the backward's dS, scale_dq/dk/dv the gradients.
+enum Fp8Scale : int64_t {
+  kDescaleQ,
+  kDescaleK,
+  kDescaleV,
+  kDescaleS,
+  kScaleS,
+  kScaleO,
+  kDescaleO,
+  kDescaleDO,
+  kDescaleDP,
+  kScaleDQ,
+  kScaleDK,
+  kScaleDV,
+  kScaleDP,
+};
+enum Fp8ForwardAmax : int64_t { kAmaxS, kAmaxO };
+enum Fp8BackwardAmax : int64_t { kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDP };
+
+// An FP8 call's float32 scales in (rows of call_plan.h's kFp8ScaleRow floats) and amaxes out
+// (the same rows); null for other calls.
+struct Fp8Buffers {
+  const float* scales = nullptr;
+  float* amaxes = nullptr;
+};
+
 // Forward: o and stats (float32 log-sum-exp: [batch, q_heads, q_seq], or token-major
 // [total_q_tokens, q_heads] when ragged) out.
 struct ForwardBuffers {
   AttentionInputs in;
   void* o = nullptr;
   void* stats = nullptr;
+  Fp8Buffers fp8;
 };
 
 // Backward: the forward's output and stats, and dO in; dq, dk, dv (and dbias) out.
@@ -58,6 +88,7 @@ struct BackwardBuffers {
   void* dk = nullptr;
   void* dv = nullptr;
   void* dbias = nullptr;
+  Fp8Buffers fp8;
 };
 
 class SdpaGraph {

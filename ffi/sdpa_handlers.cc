@@ -116,6 +116,37 @@ ffi::ErrorOr<std::optional<ffi::AnyBuffer>> GivenWorkspace(ffi::RemainingRets& e
   return std::optional<ffi::AnyBuffer>(**result);
 }
 
+ffi::DataType BufferType(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat16:
+      return ffi::DataType::F16;
+    case ElementType::kBFloat16:
+      return ffi::DataType::BF16;
+    case ElementType::kFloat8E4M3:
+      return ffi::DataType::F8E4M3FN;
+    case ElementType::kFloat8E5M2:
+      return ffi::DataType::F8E5M2;
+  }
+  return ffi::DataType::INVALID;
+}
+
+// An FP8 call's amaxes: the remaining result `index`, float32 [..., count, kFp8ScaleRow].
+ffi::ErrorOr<std::optional<ffi::AnyBuffer>> Fp8Amaxes(ffi::RemainingRets& extra, size_t index,
+                                                      const CallPlan& plan) {
+  if (!IsFp8(plan.config.element_type)) return std::optional<ffi::AnyBuffer>();
+  auto result = extra.get<ffi::AnyBuffer>(index);
+  if (!result.has_value()) return Failure{result.error()};
+  ffi::AnyBuffer amaxes = **result;
+  int64_t expected = plan.repeats * Fp8AmaxCount(plan.config.direction) * kFp8ScaleRow;
+  if (amaxes.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(amaxes.element_count()) != expected) {
+    return Failure{InvalidArgument("FP8 amaxes must be float32 [" +
+                                   std::to_string(Fp8AmaxCount(plan.config.direction)) + ", " +
+                                   std::to_string(kFp8ScaleRow) + "] per call")};
+  }
+  return std::optional<ffi::AnyBuffer>(amaxes);
+}
+
 // Pointer to the r-th of `repeats` equal slices of a buffer.
 const void* Slice(const ffi::AnyBuffer& buffer, int64_t r, int64_t repeats) {
   return static_cast<const char*>(buffer.untyped_data()) + r * (buffer.size_bytes() / repeats);
@@ -147,6 +178,13 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   return in;
 }
 
+Fp8Buffers Fp8Slice(const CallPlan& plan, const std::optional<ffi::AnyBuffer>& amaxes,
+                    int64_t r) {
+  if (!amaxes) return {};
+  return {static_cast<const float*>(Slice(*plan.optional.fp8_scales, r, plan.repeats)),
+          static_cast<float*>(MutableSlice(*amaxes, r, plan.repeats))};
+}
+
 ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        CallState* state, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
@@ -163,8 +201,10 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     // are zero-filled first either way.
     JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, *o));
     JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, ZeroFirst(attributes), *stats));
+    JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> amaxes,
+                              Fp8Amaxes(extra_results, 0, plan));
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
-                              GivenWorkspace(extra_results, 0, attributes));
+                              GivenWorkspace(extra_results, amaxes ? 1 : 0, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
                               PrepareCall(stream, scratch, *state, c, attributes, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
@@ -172,6 +212,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       buffers.in = InputsSlice(q, k, v, plan, r);
       buffers.o = MutableSlice(*o, r, plan.repeats);
       buffers.stats = MutableSlice(*stats, r, plan.repeats);
+      buffers.fp8 = Fp8Slice(plan, amaxes, r);
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteForward(call.handle.get(), buffers, call.workspace));
     }
@@ -199,15 +240,16 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                                                          std::move(optional), attributes));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(o, q.element_type(), OutputDims(q, c), "output"));
+    ffi::DataType gradient_type = BufferType(c.gradient_type);
     JAX_SDPA_RETURN_IF_ERROR(
-        CheckShape(d_o, q.element_type(), OutputDims(q, c), "output cotangent"));
+        CheckShape(d_o, gradient_type, OutputDims(q, c), "output cotangent"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
     JAX_SDPA_RETURN_IF_ERROR(
-        CheckShape(*dq, q.element_type(), ToVector(q.dimensions()), "query gradient"));
+        CheckShape(*dq, gradient_type, ToVector(q.dimensions()), "query gradient"));
     JAX_SDPA_RETURN_IF_ERROR(
-        CheckShape(*dk, k.element_type(), ToVector(k.dimensions()), "key gradient"));
+        CheckShape(*dk, gradient_type, ToVector(k.dimensions()), "key gradient"));
     JAX_SDPA_RETURN_IF_ERROR(
-        CheckShape(*dv, v.element_type(), ToVector(v.dimensions()), "value gradient"));
+        CheckShape(*dv, gradient_type, ToVector(v.dimensions()), "value gradient"));
     std::optional<ffi::AnyBuffer> dbias;
     if (c.bias_grad) {
       auto result = extra_results.get<ffi::AnyBuffer>(0);
@@ -221,8 +263,12 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
       JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, out));
     }
+    size_t next_result = dbias ? 1 : 0;
+    JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> amaxes,
+                              Fp8Amaxes(extra_results, next_result, plan));
+    if (amaxes) ++next_result;
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
-                              GivenWorkspace(extra_results, dbias ? 1 : 0, attributes));
+                              GivenWorkspace(extra_results, next_result, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(PreparedCall call,
                               PrepareCall(stream, scratch, *state, c, attributes, workspace));
     for (int64_t r = 0; r < plan.repeats; ++r) {
@@ -235,6 +281,7 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       buffers.dk = MutableSlice(*dk, r, plan.repeats);
       buffers.dv = MutableSlice(*dv, r, plan.repeats);
       if (dbias) buffers.dbias = MutableSlice(*dbias, r, plan.repeats);
+      buffers.fp8 = Fp8Slice(plan, amaxes, r);
       JAX_SDPA_RETURN_IF_ERROR(
           call.graph->ExecuteBackward(call.handle.get(), buffers, call.workspace));
     }
@@ -272,10 +319,10 @@ auto AttentionBinding() {
 auto ForwardBinding() {
   return AttentionBinding()
       .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
-                        // [tails]
+                        // [tails], [fp8 scales]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
-      .RemainingRets()        // [workspace]
+      .RemainingRets()        // [fp8 amaxes], [workspace]
       .Attrs<CallAttributes>();
 }
 
@@ -285,11 +332,11 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
       .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
-                        // [tails]
+                        // [tails], [fp8 scales]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv
-      .RemainingRets()        // [dbias], [workspace]
+      .RemainingRets()        // [dbias], [fp8 amaxes], [workspace]
       .Attrs<CallAttributes>();
 }
 

@@ -18,7 +18,8 @@ ffi::ErrorOr<ffi::DataType> DataTypeNamed(const std::string& name) {
   static const std::map<std::string, ffi::DataType> kTypes = {
       {"float16", ffi::DataType::F16}, {"bfloat16", ffi::DataType::BF16},
       {"float32", ffi::DataType::F32}, {"int32", ffi::DataType::S32},
-      {"uint32", ffi::DataType::U32},
+      {"uint32", ffi::DataType::U32}, {"float8_e4m3fn", ffi::DataType::F8E4M3FN},
+      {"float8_e5m2", ffi::DataType::F8E5M2},
   };
   auto found = kTypes.find(name);
   if (found == kTypes.end()) return Failure{InvalidArgument("no operand is of dtype " + name)};

@@ -21,9 +21,9 @@ def _tails(inputs):
                       jnp.where(q_lengths > 0, kv_lengths, 0)], axis=-1).astype(jnp.int32)
 
 
-def _optional_operands(inputs, ragged_operands, config, poison_rows):
+def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=None):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
-    when ragged), [offsets], [dropout_seed], [poison_rows], [tails]."""
+    when ragged), [offsets], [dropout_seed], [poison_rows], [tails], [fp8_scales]."""
     operands = [inputs["bias"]] if config.has_bias else []
     if ragged_operands is not None:
         operands += list(ragged_operands)
@@ -35,7 +35,21 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows):
         operands.append(poison_rows.astype(jnp.int32))
     if config.zero_fill(ragged=ragged_operands is not None) == "tails":
         operands.append(_tails(inputs))
+    if fp8_scales is not None:
+        operands.append(fp8_scales)
     return operands
+
+
+# An FP8 call's amaxes (ffi/call_plan.h): rows of 4 floats, 2 forward, 4 backward.
+_FP8_AMAXES = {"forward": 2, "backward": 4}
+
+
+def _fp8_amaxes(role, fp8_scales):
+    """The amax result of an FP8 call (per vmapped slice, as its scales), or nothing."""
+    if fp8_scales is None:
+        return ()
+    shape = (*fp8_scales.shape[:-2], _FP8_AMAXES[role], fp8_scales.shape[-1])
+    return (jax.ShapeDtypeStruct(shape, jnp.float32),)
 
 
 def _gpu_ordinal() -> int | None:
@@ -88,7 +102,8 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     return varying_like(results[:len(results) - (workspace > 0)], operands)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None):
+def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None,
+                 fp8_scales=None):
     """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
@@ -96,7 +111,9 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
     per document, offsets) from jax_sdpa.packing.ragged_operands; max_document: (queries, keys)
     no document is longer than (0: the rows' lengths); poison_rows: None, or bool [batch...]:
-    rows whose first output token comes back NaN.
+    rows whose first output token comes back NaN; fp8_scales: None, or an FP8 call's float32
+    scale rows (e4m3 query, key and value; the output comes back e4m3 too, and the amaxes as a
+    third result).
     """
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -106,9 +123,10 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
     result_types = (
         jax.ShapeDtypeStruct((*batch, q_seq_len, q_heads, value.shape[-1]), query.dtype),
         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+        *_fp8_amaxes("forward", fp8_scales),
     )
     operands = (query, key, value,
-                *_optional_operands(inputs, ragged_operands, config, poison_rows))
+                *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
                                        max_document=max_document,
                                        poison_rows=poison_rows is not None)
@@ -119,17 +137,22 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
 
 
 def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
-                  max_document=(0, 0), poison_rows=None):
+                  max_document=(0, 0), poison_rows=None, fp8_scales=None):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
-    as sdpa_forward's, for dq, dk and dv."""
+    as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
+    in the gradients' FP8 format, which dq, dk and dv come back in."""
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key, value)]
+    gradient_dtype = lambda x: d_output.dtype if fp8_scales is not None else x.dtype  # noqa
+    result_types = [jax.ShapeDtypeStruct(x.shape, gradient_dtype(x)) for x in (query, key, value)]
     with_dbias = config.has_bias and config.bias_grad
     if with_dbias:
         result_types.append(jax.ShapeDtypeStruct(inputs["bias"].shape, inputs["bias"].dtype))
-    operands = (query, key, value, output, stats, d_output.astype(output.dtype),
-                *_optional_operands(inputs, ragged_operands, config, poison_rows))
+    result_types += _fp8_amaxes("backward", fp8_scales)
+    if fp8_scales is None:
+        d_output = d_output.astype(output.dtype)
+    operands = (query, key, value, output, stats, d_output,
+                *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
                                        max_document=max_document,
                                        poison_rows=poison_rows is not None)

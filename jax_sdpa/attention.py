@@ -16,7 +16,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
                           dropout_rng=None, query_segment_ids=None, kv_segment_ids=None,
                           max_segments=None, logits_soft_cap=None, sinks=None,
-                          max_document_length=None, residual_dtype=None):
+                          max_document_length=None, residual_dtype=None, fp8=False):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -81,6 +81,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         e.g. ``jnp.float32`` for the kernels' own float32 log-sum-exp (to merge partial
         attentions, say). Not in jax.nn.
 
+      fp8: FP8 attention (Hopper and newer): Q, K and V are quantized to float8_e4m3fn with
+        per-tensor current scaling (scales from their amaxes, on the device), cuDNN's FP8
+        kernels run, and the output comes back in the inputs' dtype; the backward quantizes
+        the output cotangent, the score gradient and the gradients to float8_e5m2, with scales
+        from bounds they cannot exceed (jax_sdpa/fp8_scaling.py). Takes is_causal (top-left),
+        sequence lengths and GQA/MQA, nothing else. The XLA path computes the same roundings.
+        Not in jax.nn.
+
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
     """
@@ -93,7 +101,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                     dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
                     kv_segment_ids=kv_segment_ids, max_segments=max_segments,
                     logits_soft_cap=logits_soft_cap, sinks=sinks,
-                    max_document_length=max_document_length)
+                    max_document_length=max_document_length, fp8=fp8)
     plan = planning.plan(call, implementation, deterministic=bool(deterministic))
     if plan is not None:
         output, lse = fused_path.run(call, plan)

@@ -1,112 +1,113 @@
-"""FP8 attention in pure JAX: the quantize -> attention -> dequantize semantics of cuDNN's FP8
-SDPA graphs, each rounding where those graphs have it, so that an FP8 call means the same
-numbers in distribution on every platform (and the cuDNN path has a reference to be held to).
+"""FP8 attention in pure JAX: cuDNN's FP8 SDPA graphs' arithmetic, each rounding where those
+graphs have it and with fp8_scaling.py's scales, behind the kernels' calling convention (a
+KernelConfig and inputs by name). It is what fp8=True computes on the XLA path, and what the
+cuDNN path is held to.
 
-Forward, per tensor current scaling (scale = the format's largest value / the tensor's amax,
-computed on the device): Q, K, V in e4m3; S = Q K^T (float32 accumulation) times the descales
-and the score scale; P = softmax(S) in float32, quantized to e4m3 with the fixed scale 448
-(P <= 1); O = P V times the descales, quantized to e4m3 with a scale from V's amax (a convex
-combination of V's rows, up to P's rounding, cannot exceed it), and returned dequantized.
-Backward: dO quantized (grad_format, e5m2 by default: its range); dP = dO V^T; dS = P (dP - D),
-D the row sums of dO * O; dS quantized (grad_format, current scaling); dQ = dS K, dK = dS^T Q,
-dV = P^T dO (float32 accumulation of the quantized operands), each quantized to grad_format
-and returned dequantized. Quantizing saturates (float8_e4m3fn has no infinity: an overflowing
-cast would be NaN).
+Forward: S = Q8 K8^T (float32 accumulation of the quantized operands) times the score scale;
+P = softmax(S) quantized to e4m3; O = P8 V8 quantized to e4m3, returned dequantized in the
+query's dtype. Backward: dP = dO8 V8^T; D = rowsum(dO8 * O8); dS = s P (dP - D) quantized;
+dQ = dS8 K8, dK = dS8^T Q8, dV = P8^T dO8, each quantized and returned dequantized.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
+from jax_sdpa import fp8_scaling as scaling
 from jax_sdpa.reference import combined_mask, large_negative
-
-FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-_P_SCALE = 448.0  # softmax weights are at most 1: e4m3's largest value maps onto 1
-_P_ROUNDING = 1.0 + 2.0 ** -4  # how far e4m3's rounding can lift a row of weights' sum
-
-
-def largest(fmt: str) -> float:
-    return float(jnp.finfo(FORMATS[fmt]).max)
-
-
-def quantize(x, scale, fmt):
-    """x * scale rounded to the format, saturating at its largest value."""
-    top = largest(fmt)
-    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(FORMATS[fmt])
-
-
-def current_scale(x, fmt):
-    """float32 []: the format's largest value over x's amax (1 for a tensor of zeros)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    return largest(fmt) / jnp.where(amax > 0, amax, 1.0)
-
-
-def round_trip(x, scale, fmt):
-    """x as the format holds it, back in float32: quantize then dequantize."""
-    return quantize(x, scale, fmt).astype(jnp.float32) / scale
-
-
-def _scaled(x, fmt):
-    return round_trip(x, current_scale(x, fmt), fmt)
 
 
 def _expand_heads(x, heads):
     return jnp.repeat(x, heads // x.shape[2], axis=2) if x.shape[2] != heads else x
 
 
-def _scores(q, k, scale, is_causal):
-    """float32 [B, N, T, S] scaled scores of already rounded q [B, T, N, H], k [B, S, N, H];
-    causal: top-left, as jax.nn's."""
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
-    if is_causal:
-        keep = combined_mask(*scores.shape[-2:], is_causal=True)
+def _fold_heads(x, kv_heads):
+    """[B, S, N, H] per query head -> [B, S, K, H] per key head (sums each group)."""
+    batch, seq, heads, dim = x.shape
+    return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim).sum(3)
+
+
+def _quantized_inputs(inputs):
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    scales = scaling.forward_scales(query, key, value)
+    q, k, v = (scaling.round_trip(x, s, "e4m3") for x, s in
+               ((query, scales.q), (key, scales.k), (value, scales.v)))
+    return q, _expand_heads(k, q.shape[2]), _expand_heads(v, q.shape[2]), scales
+
+
+def _keep(config, inputs, q_seq_len, kv_seq_len):
+    """bool [B|1, 1, T, S]: causal (top-left) and the key lengths; None when nothing masks."""
+    return combined_mask(q_seq_len, kv_seq_len, is_causal=config.window_right == 0,
+                         key_value_seq_lengths=inputs.get("kv_lengths"))
+
+
+def _weights(config, inputs, q, k, lse=None):
+    """(P float32 [B, N, T, S], lse [B, N, T]) from the quantized q and k."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * config.scale
+    keep = _keep(config, inputs, q.shape[1], k.shape[1])
+    if keep is not None:
         scores = jnp.where(keep, scores, large_negative())
-    return scores
+    if lse is None:
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        lse = (jnp.log(jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True)) + top)[..., 0]
+    return jnp.exp(scores - lse[..., None]), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def attention(query, key, value, scale, is_causal=False, grad_format="e5m2"):
-    """FP8 attention of query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] (any float
-    dtype; K divides N) with the score scale `scale`: the output [B, T, N, Hv] in the query's
-    dtype. grad_format: "e5m2" or "e4m3", the backward's operands and gradients."""
-    return _forward(query, key, value, scale, is_causal, grad_format)[0]
+def query_rows(inputs, shape):
+    """float32 mask [B, T, 1, 1] of the query rows within their lengths (a batch entry without
+    keys has none), or None."""
+    q_lengths, kv_lengths = inputs.get("q_lengths"), inputs.get("kv_lengths")
+    if q_lengths is None and kv_lengths is None:
+        return None
+    batch, q_seq_len = shape[:2]
+    valid = jnp.ones((batch, q_seq_len), bool)
+    if q_lengths is not None:
+        valid &= jnp.arange(q_seq_len)[None, :] < q_lengths[:, None]
+    if kv_lengths is not None:
+        valid &= (kv_lengths > 0)[:, None]
+    return valid[:, :, None, None]
 
 
-def _forward(query, key, value, scale, is_causal, grad_format):
-    heads = query.shape[2]
-    q, k, v = _scaled(query, "e4m3"), _scaled(key, "e4m3"), _scaled(value, "e4m3")
-    scores = _scores(q, _expand_heads(k, heads), scale, is_causal)
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    p8 = round_trip(jnp.exp(scores - lse[..., None]), _P_SCALE, "e4m3")
-    out = jnp.einsum("bnts,bsnh->btnh", p8, _expand_heads(v, heads))
-    out_scale = largest("e4m3") / (_P_ROUNDING * jnp.maximum(jnp.max(jnp.abs(v)), 1e-30))
-    out = round_trip(out, out_scale, "e4m3")
-    # (empty arrays carry the inputs' dtypes to the backward)
-    dtypes = tuple(jnp.zeros((0,), x.dtype) for x in (query, key, value))
-    return out.astype(query.dtype), (q, k, v, out, lse, dtypes)
+def _key_rows(inputs, shape):
+    kv_lengths = inputs.get("kv_lengths")
+    if kv_lengths is None:
+        return None
+    return (jnp.arange(shape[1])[None, :] < kv_lengths[:, None])[:, :, None, None]
 
 
-def _backward(scale, is_causal, grad_format, residuals, d_out):
-    q, k, v, out, lse, dtypes = residuals
-    heads, kv_heads = q.shape[2], k.shape[2]
-    k_full, v_full = _expand_heads(k, heads), _expand_heads(v, heads)
-    p = jnp.exp(_scores(q, k_full, scale, is_causal) - lse[..., None])
-    p8 = round_trip(p, _P_SCALE, "e4m3")
-    d_o = _scaled(d_out, grad_format)
-    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, v_full)
-    row_sums = jnp.einsum("btnh,btnh->bnt", d_o, out)
-    d_s = _scaled(p * (d_p - row_sums[..., None]), grad_format)
-    dq = jnp.einsum("bnts,bsnh->btnh", d_s, k_full) * scale
-    dk = jnp.einsum("bnts,btnh->bsnh", d_s, q) * scale
-    dv = jnp.einsum("bnts,btnh->bsnh", p8, d_o)
-    if kv_heads != heads:  # a shared key/value head gathers its query heads' gradients
-        fold = lambda x: x.reshape(*x.shape[:2], kv_heads, heads // kv_heads,  # noqa: E731
-                                   x.shape[-1]).sum(3)
-        dk, dv = fold(dk), fold(dv)
-    return tuple(_scaled(g, grad_format).astype(x.dtype) for g, x in zip((dq, dk, dv), dtypes))
+def _zero_outside(x, rows):
+    return x if rows is None else jnp.where(rows, x, 0)
 
 
-attention.defvjp(_forward, _backward)
+def forward(config, inputs):
+    """(output [B, T, N, Hv] in the query's dtype, stats float32 [B, N, T])."""
+    q, k, v, scales = _quantized_inputs(inputs)
+    p, lse = _weights(config, inputs, q, k)
+    p8 = scaling.round_trip(p, jnp.float32(scaling.P_SCALE), "e4m3")
+    out = scaling.round_trip(jnp.einsum("bnts,bsnh->btnh", p8, v), scales.o, "e4m3")
+    out = _zero_outside(out, query_rows(inputs, out.shape))
+    return out.astype(inputs["query"].dtype), lse
+
+
+def backward(config, inputs, output, stats, d_output):
+    """(dq, dk, dv, None) in the inputs' dtypes, from the forward's output and stats."""
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    fmt = config.fp8
+    q, k, v, forward_scales = _quantized_inputs(inputs)
+    rows = query_rows(inputs, query.shape)
+    d_output = _zero_outside(d_output, rows)  # rows past the lengths have no gradient
+    back = scaling.backward_scales(query, key, value, d_output, config.scale, fmt)
+    p, _ = _weights(config, inputs, q, k, stats)
+    p8 = scaling.round_trip(p, jnp.float32(scaling.P_SCALE), "e4m3")
+    out8 = scaling.round_trip(output, forward_scales.o, "e4m3")
+    d_o = scaling.round_trip(d_output, back.d_o, fmt)
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, v)
+    row_sums = jnp.einsum("btnh,btnh->bnt", d_o, out8)
+    d_s = scaling.round_trip(config.scale * p * (d_p - row_sums[..., None]), back.d_s, fmt)
+    dq = jnp.einsum("bnts,bsnh->btnh", d_s, k)
+    dk = _fold_heads(jnp.einsum("bnts,btnh->bsnh", d_s, q), key.shape[2])
+    dv = _fold_heads(jnp.einsum("bnts,btnh->bsnh", p8, d_o), key.shape[2])
+    dq = _zero_outside(scaling.round_trip(dq, back.dq, fmt), rows)
+    dk = _zero_outside(scaling.round_trip(dk, back.dk, fmt), _key_rows(inputs, key.shape))
+    dv = _zero_outside(scaling.round_trip(dv, back.dv, fmt), _key_rows(inputs, key.shape))
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), None

@@ -18,6 +18,9 @@ INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment
           "kv_segment_ids", "dropout_seed", "sinks")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 
+# The fp8_gradients attribute: ffi/sdpa_config.h's ElementType of the FP8 backward's format.
+_FP8_ELEMENT_TYPES = {"": 0, "e4m3": 2, "e5m2": 3}
+
 DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs (and the workspace) before the kernel runs
 
 
@@ -59,6 +62,9 @@ class KernelConfig:
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
     # the sink's share of each row (jax_sdpa/sinks.py); cuDNN itself never sees it.
     has_sinks: bool = False
+    # FP8 attention (jax_sdpa/fp8_scaling.py's recipe): "" none, else the backward's format
+    # ("e5m2" or "e4m3") for dO, dS and the gradients; Q, K, V, P and O are e4m3.
+    fp8: str = ""
     # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
     # by its work (jax_sdpa/command_buffers.py, JAX_SDPA_COMMAND_BUFFERS).
     command_buffer: bool | None = None
@@ -68,6 +74,8 @@ class KernelConfig:
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                              f"{self.implementation!r}")
+        if self.fp8 not in ("", "e5m2", "e4m3"):
+            raise ValueError(f"fp8 must be '', 'e5m2' or 'e4m3', got {self.fp8!r}")
         if self.segments not in ("", "self", "cross"):
             raise ValueError(f"segments must be '', 'self' or 'cross', got {self.segments!r}")
 
@@ -126,6 +134,7 @@ class KernelConfig:
                     max_document_kv=np.int64(max_document[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
+                    fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
                     zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
                     poison_rows=bool(poison_rows),
                     debug=np.int64(self.debug))

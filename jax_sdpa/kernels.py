@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, packing, reference_kernel, sinks
+from jax_sdpa import _ffi, fp8_kernels, packing, reference_kernel, sinks
 from jax_sdpa.reference import fill_empty_rows, mean_value
 
 
@@ -26,6 +26,8 @@ def forward(config, inputs):
     if config.implementation == "xla":
         return reference_kernel.forward(config, inputs)
     plain = _without_sinks(inputs)
+    if config.fp8:
+        return fp8_kernels.forward(config, plain)
     if config.segments:
         output, stats = _packed_forward(config, plain)
     else:
@@ -48,6 +50,8 @@ def backward(config, inputs, output, stats, d_output):
         forward_fn = (reference_kernel.blockwise_forward if config.segments else
                       reference_kernel.forward)
         return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)
+    if config.fp8:
+        return fp8_kernels.backward(config, inputs, output, stats, d_output)
     if config.segments:  # (its exact fallback recomputes the forward, with the sinks)
         if config.has_sinks and _may_see_nothing(config):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the

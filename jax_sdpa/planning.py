@@ -27,6 +27,9 @@ MIN_PAGED_CUDNN_VERSION = 90500  # cuDNN 9.5: page tables for K/V in the SDPA fo
 PAGED_WIDE_HEADS_CUDNN_VERSION = 91000  # head dims past 128 with paged K/V: cuDNN 9.10
 DECODE_WINDOW_CUDNN_VERSION = 91000  # a band on a single query row (s_q = 1): cuDNN 9.10
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+MIN_FP8_CUDNN_VERSION = 90100  # cuDNN's FP8 SDPA graphs, forward and backward
+BROKEN_FP8_CUDNN_VERSION = 91000  # the frontend refuses FP8 SDPA on exactly cuDNN 9.10.0
+MIN_FP8_COMPUTE_CAPABILITY = (9, 0)  # Hopper: FP8 tensor cores
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
 
 
@@ -211,11 +214,42 @@ def ragged_reason(call: AttentionCall) -> str | None:
     return None
 
 
+def fp8_reason(head_dim, head_dim_v) -> str | None:
+    """None if cuDNN's FP8 forward runs these head dims on this device, else why not."""
+    if head_dim != head_dim_v or head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return (f"cuDNN's FP8 attention takes equal query and value head dims, multiples of 16 "
+                f"up to {MAX_HEAD_DIM} (got {head_dim} and {head_dim_v})")
+    if device_reason() is not None:
+        return None
+    capability = _device_capability()
+    if capability is not None and capability < MIN_FP8_COMPUTE_CAPABILITY:
+        return (f"cuDNN's FP8 attention needs compute capability 9.0 (Hopper) or newer (got "
+                f"{capability[0]}.{capability[1]})")
+    version = _extension.cudnn_version()
+    if version < MIN_FP8_CUDNN_VERSION or version == BROKEN_FP8_CUDNN_VERSION:
+        return (f"cuDNN's FP8 attention needs cuDNN >= 9.1, not 9.10.0 (the loaded cuDNN is "
+                f"{version})")
+    return None
+
+
+def fp8_backward_reason(head_dim) -> str | None:
+    """None if cuDNN's FP8 backward takes this head dim on this device, else why not."""
+    capability = _device_capability() if device_reason() is None else None
+    if capability is not None and capability[0] == 9 and head_dim != 128:
+        return f"cuDNN's FP8 backward takes head_dim 128 only on Hopper (got {head_dim})"
+    if capability is not None and capability[0] >= 10 and head_dim > 128:
+        return (f"cuDNN's FP8 backward takes head dims up to 128 on compute capability "
+                f"{capability[0]}.{capability[1]} (got {head_dim})")
+    return None
+
+
 def call_reason(call: AttentionCall) -> str | None:
     """None if cuDNN can run this (validated) call's forward, else why not. Ignores the
     device."""
     reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
                                               ("value head_dim", call.value.shape[-1])))
+    if reason is None and call.fp8:
+        reason = fp8_reason(call.query.shape[-1], call.value.shape[-1])
     return reason or soft_cap_reason(call.logits_soft_cap) or diagonal_band(call)[1]
 
 
@@ -262,11 +296,13 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
     reason = device_reason() or call_reason(call)
     backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
                                                    call.logits_soft_cap, call.bias is not None)
+    if reason is None and backward is None and call.fp8:
+        backward = fp8_backward_reason(head_dim)
     if backward is not None and call.dropout_rate > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
     if not use_cudnn(reason, implementation, call.query.dtype):
-        return None
+        return _fp8_reference_plan(call) if call.fp8 else None
     band, _ = diagonal_band(call)
     backward_kernel = None
     if backward is not None:
@@ -293,6 +329,15 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         segments=segments, max_segments=call.max_segments if segments else 0,
         document_bound=(call.max_document_length or ()) if segments else (),
         logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
-        command_buffer=command_buffers.command_buffers(), debug=debug.flags(),
+        fp8=call.fp8, command_buffer=command_buffers.command_buffers(), debug=debug.flags(),
         **_bias_layout(call, dense_segments))
     return CudnnPlan(config, dense_segments)
+
+
+def _fp8_reference_plan(call: AttentionCall) -> CudnnPlan:
+    """FP8 on the XLA path: its semantics are the kernel layer's (fp8_reference.py), which the
+    plain reference path does not have."""
+    config = KernelConfig(scale=call.scale, window_right=0 if call.is_causal else -1,
+                          implementation="xla", has_lengths=call.has_lengths,
+                          same_lengths=call.same_lengths, fp8=call.fp8)
+    return CudnnPlan(config)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_sdpa import fp8_reference
 from jax_sdpa.reference import attention_reference
 
 _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
@@ -58,6 +59,8 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
 
 def forward(config, inputs):
     """(output [B, T, N, Hv], stats float32 [B, N, T]), as the cuDNN kernel's forward."""
+    if config.fp8:
+        return fp8_reference.forward(config, inputs)
     return _attend(config, inputs, inputs["query"], q_segment_ids=inputs.get("q_segment_ids"),
                    q_lengths=inputs.get("q_lengths"), rng=_dropout_rng(inputs))
 
@@ -99,7 +102,10 @@ def blockwise_forward(config, inputs, block=None):
 
 
 def backward(config, inputs, output, stats, d_output, forward_fn=forward):
-    """(dq, dk, dv, dbias or None), as the cuDNN kernel's backward: recomputes the forward."""
+    """(dq, dk, dv, dbias or None), as the cuDNN kernel's backward: recomputes the forward (FP8:
+    its own backward, from the forward's output and stats)."""
+    if config.fp8:
+        return fp8_reference.backward(config, inputs, output, stats, d_output)
     del output, stats
     differentiable = {name: inputs[name] for name in ("query", "key", "value")}
     if inputs.get("bias") is not None:

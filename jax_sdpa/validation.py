@@ -54,6 +54,8 @@ class AttentionCall:
     # sinks: float32 [N], one logit per query head that joins each softmax denominator.
     logits_soft_cap: float | None = None
     sinks: jnp.ndarray | None = None
+    # FP8 attention (jax_sdpa/fp8_scaling.py): "" none, else the backward's FP8 format.
+    fp8: str = ""
 
     @property
     def has_lengths(self) -> bool:
@@ -261,11 +263,27 @@ def checked_sinks(value, q_heads, dtype):
     return array
 
 
+def _fp8(fp8, **options):
+    """The backward's FP8 format ("" without fp8), once the options FP8 takes are checked: the
+    causal mask (top-left), sequence lengths and GQA/MQA, what cuDNN's FP8 graphs run."""
+    if not isinstance(fp8, (bool, np.bool_)):
+        raise TypeError(f"fp8 must be a Python bool, got {type(fp8).__name__}")
+    if not fp8:
+        return ""
+    defaults = dict(causal_alignment="top_left", dropout_rate=0.0)
+    given = [name for name, value in options.items()
+             if value is not None and value != defaults.get(name, None)]
+    if given:
+        raise ValueError(f"fp8=True takes is_causal (top-left) and sequence lengths, not "
+                         f"{', '.join(given)}")
+    return "e5m2"
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
              dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
              kv_segment_ids=None, max_segments=None, logits_soft_cap=None,
-             sinks=None, max_document_length=None) -> AttentionCall:
+             sinks=None, max_document_length=None, fp8=False) -> AttentionCall:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
@@ -319,6 +337,11 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     # One array given for both stays one (AttentionCall.same_lengths).
     kv_lengths = (q_lengths if key_value_seq_lengths is query_seq_lengths else
                   _seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"))
+    fp8 = _fp8(fp8, bias=bias, mask=mask, local_window_size=local_window_size,
+               causal_alignment=(causal_alignment if is_causal and q_seq_len != kv_seq_len
+                                 else "top_left"),
+               dropout_rate=rate, query_segment_ids=q_ids, logits_soft_cap=logits_soft_cap,
+               sinks=sinks)
     return AttentionCall(
         query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
         is_causal=bool(is_causal),
@@ -331,5 +354,5 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         max_document_length=_max_document_length(max_document_length, q_ids, q_seq_len,
                                                  kv_seq_len),
         logits_soft_cap=checked_soft_cap(logits_soft_cap),
-        sinks=checked_sinks(sinks, q_heads, query.dtype),
+        sinks=checked_sinks(sinks, q_heads, query.dtype), fp8=fp8,
     )
