@@ -140,7 +140,7 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
                   max_document=(0, 0), poison_rows=None, fp8_scales=None):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
     as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
-    in the gradients' FP8 format, which dq, dk and dv come back in."""
+    in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow."""
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     gradient_dtype = lambda x: d_output.dtype if fp8_scales is not None else x.dtype  # noqa
@@ -158,7 +158,8 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
                                        poison_rows=poison_rows is not None)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", key.shape[-3])
-    return (*results[:3], results[3] if with_dbias else None)
+    amaxes = (results[-1],) if fp8_scales is not None else ()
+    return (*results[:3], results[3] if with_dbias else None, *amaxes)
 
 
 def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, page_table, config):

@@ -51,7 +51,7 @@ def backward(config, inputs, output, stats, d_output):
     back = scaling.backward_scales(query, key, value, d_output, config.scale, fmt)
     factors = _forward_factors(forward_scales) + [
         1 / forward_scales.o, 1 / back.d_o, 1 / back.d_s, back.dq, back.dk, back.dv, back.d_s]
-    dq, dk, dv, _ = _ffi.sdpa_backward(
+    dq, dk, dv, _, _ = _ffi.sdpa_backward(
         _quantized(inputs, forward_scales), scaling.quantize(output, forward_scales.o, "e4m3"),
         stats, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=_operand(factors))
     return (scaling.dequantize(dq, back.dq, query.dtype),

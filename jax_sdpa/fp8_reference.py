@@ -1,12 +1,12 @@
 """FP8 attention in pure JAX: cuDNN's FP8 SDPA graphs' arithmetic, each rounding where those
-graphs have it and with fp8_scaling.py's scales, behind the kernels' calling convention (a
-KernelConfig and inputs by name). It is what fp8=True computes on the XLA path, and what the
-cuDNN path is held to.
+graphs have it, behind the kernels' calling convention (a KernelConfig and inputs by name). It
+is what fp8=True and jax_sdpa.fp8 compute on the XLA path, and what the cuDNN path is held to.
 
 Forward: S = Q8 K8^T (float32 accumulation of the quantized operands) times the score scale;
-P = softmax(S) quantized to e4m3; O = P8 V8 quantized to e4m3, returned dequantized in the
-query's dtype. Backward: dP = dO8 V8^T; D = rowsum(dO8 * O8); dS = s P (dP - D) quantized;
-dQ = dS8 K8, dK = dS8^T Q8, dV = P8^T dO8, each quantized and returned dequantized.
+P = softmax(S) quantized to e4m3; O = P8 V8 quantized to e4m3. Backward: dP = dO8 V8^T;
+D = rowsum(dO8 * O8); dS = s P (dP - D) quantized; dQ = dS8 K8, dK = dS8^T Q8, dV = P8^T dO8,
+each quantized. The cores take tensors already rounded (float32) and the scales; forward and
+backward below take fp8=True's bfloat16/float16 inputs and fp8_scaling.py's scales.
 """
 
 from __future__ import annotations
@@ -27,24 +27,12 @@ def _fold_heads(x, kv_heads):
     return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim).sum(3)
 
 
-def _quantized_inputs(inputs):
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    scales = scaling.forward_scales(query, key, value)
-    q, k, v = (scaling.round_trip(x, s, "e4m3") for x, s in
-               ((query, scales.q), (key, scales.k), (value, scales.v)))
-    return q, _expand_heads(k, q.shape[2]), _expand_heads(v, q.shape[2]), scales
-
-
-def _keep(config, inputs, q_seq_len, kv_seq_len):
-    """bool [B|1, 1, T, S]: causal (top-left) and the key lengths; None when nothing masks."""
-    return combined_mask(q_seq_len, kv_seq_len, is_causal=config.window_right == 0,
-                         key_value_seq_lengths=inputs.get("kv_lengths"))
-
-
 def _weights(config, inputs, q, k, lse=None):
-    """(P float32 [B, N, T, S], lse [B, N, T]) from the quantized q and k."""
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * config.scale
-    keep = _keep(config, inputs, q.shape[1], k.shape[1])
+    """(P float32 [B, N, T, S], lse [B, N, T]) from rounded q [B, T, N, H], k [B, S, K, H]:
+    causal (top-left) and the key lengths mask."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, _expand_heads(k, q.shape[2])) * config.scale
+    keep = combined_mask(q.shape[1], k.shape[1], is_causal=config.window_right == 0,
+                         key_value_seq_lengths=inputs.get("kv_lengths"))
     if keep is not None:
         scores = jnp.where(keep, scores, large_negative())
     if lse is None:
@@ -54,8 +42,8 @@ def _weights(config, inputs, q, k, lse=None):
 
 
 def query_rows(inputs, shape):
-    """float32 mask [B, T, 1, 1] of the query rows within their lengths (a batch entry without
-    keys has none), or None."""
+    """bool [B, T, 1, 1]: the query rows within their lengths (a batch entry without keys has
+    none), or None without lengths."""
     q_lengths, kv_lengths = inputs.get("q_lengths"), inputs.get("kv_lengths")
     if q_lengths is None and kv_lengths is None:
         return None
@@ -79,35 +67,62 @@ def _zero_outside(x, rows):
     return x if rows is None else jnp.where(rows, x, 0)
 
 
-def forward(config, inputs):
-    """(output [B, T, N, Hv] in the query's dtype, stats float32 [B, N, T])."""
-    q, k, v, scales = _quantized_inputs(inputs)
+def forward_core(config, inputs, q, k, v, p_scale=scaling.P_SCALE):
+    """(output float32 before its rounding, lse, amax of P): q, k, v rounded; P rounded to
+    e4m3 with p_scale."""
     p, lse = _weights(config, inputs, q, k)
-    p8 = scaling.round_trip(p, jnp.float32(scaling.P_SCALE), "e4m3")
-    out = scaling.round_trip(jnp.einsum("bnts,bsnh->btnh", p8, v), scales.o, "e4m3")
+    p8 = scaling.round_trip(p, jnp.asarray(p_scale, jnp.float32), "e4m3")
+    out = jnp.einsum("bnts,bsnh->btnh", p8, _expand_heads(v, q.shape[2]))
     out = _zero_outside(out, query_rows(inputs, out.shape))
+    return out, lse, jnp.max(p, axis=(-4, -3, -2, -1))
+
+
+def backward_core(config, inputs, q, k, v, out8, lse, d_o, d_s_scale, fmt,
+                  p_scale=scaling.P_SCALE):
+    """(dq, dk, dv) float32 before their rounding, and the amax of dS: q, k, v, out8 and d_o
+    rounded (d_o zero past the lengths); dS is rounded to fmt with d_s_scale."""
+    kv_heads = k.shape[2]
+    p, _ = _weights(config, inputs, q, k, lse)
+    p8 = scaling.round_trip(p, jnp.asarray(p_scale, jnp.float32), "e4m3")
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, _expand_heads(v, q.shape[2]))
+    row_sums = jnp.einsum("btnh,btnh->bnt", d_o, out8)
+    d_s = config.scale * p * (d_p - row_sums[..., None])
+    d_s_amax = scaling.amax(d_s)
+    d_s = scaling.round_trip(d_s, d_s_scale, fmt)
+    dq = jnp.einsum("bnts,bsnh->btnh", d_s, _expand_heads(k, q.shape[2]))
+    dk = _fold_heads(jnp.einsum("bnts,btnh->bsnh", d_s, q), kv_heads)
+    dv = _fold_heads(jnp.einsum("bnts,btnh->bsnh", p8, d_o), kv_heads)
+    keys = _key_rows(inputs, k.shape)
+    return (_zero_outside(dq, query_rows(inputs, q.shape)), _zero_outside(dk, keys),
+            _zero_outside(dv, keys), d_s_amax)
+
+
+def _rounded_inputs(inputs):
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    scales = scaling.forward_scales(query, key, value)
+    return (*(scaling.round_trip(x, s, "e4m3") for x, s in
+              ((query, scales.q), (key, scales.k), (value, scales.v))), scales)
+
+
+def forward(config, inputs):
+    """fp8=True: (output [B, T, N, Hv] in the query's dtype, stats float32 [B, N, T])."""
+    q, k, v, scales = _rounded_inputs(inputs)
+    out, lse, _ = forward_core(config, inputs, q, k, v)
+    out = scaling.round_trip(out, scales.o, "e4m3")
     return out.astype(inputs["query"].dtype), lse
 
 
 def backward(config, inputs, output, stats, d_output):
-    """(dq, dk, dv, None) in the inputs' dtypes, from the forward's output and stats."""
+    """fp8=True: (dq, dk, dv, None) in the inputs' dtypes, from the forward's output and
+    stats."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     fmt = config.fp8
-    q, k, v, forward_scales = _quantized_inputs(inputs)
-    rows = query_rows(inputs, query.shape)
-    d_output = _zero_outside(d_output, rows)  # rows past the lengths have no gradient
+    q, k, v, forward_scales = _rounded_inputs(inputs)
+    d_output = _zero_outside(d_output, query_rows(inputs, query.shape))
     back = scaling.backward_scales(query, key, value, d_output, config.scale, fmt)
-    p, _ = _weights(config, inputs, q, k, stats)
-    p8 = scaling.round_trip(p, jnp.float32(scaling.P_SCALE), "e4m3")
     out8 = scaling.round_trip(output, forward_scales.o, "e4m3")
     d_o = scaling.round_trip(d_output, back.d_o, fmt)
-    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, v)
-    row_sums = jnp.einsum("btnh,btnh->bnt", d_o, out8)
-    d_s = scaling.round_trip(config.scale * p * (d_p - row_sums[..., None]), back.d_s, fmt)
-    dq = jnp.einsum("bnts,bsnh->btnh", d_s, k)
-    dk = _fold_heads(jnp.einsum("bnts,btnh->bsnh", d_s, q), key.shape[2])
-    dv = _fold_heads(jnp.einsum("bnts,btnh->bsnh", p8, d_o), key.shape[2])
-    dq = _zero_outside(scaling.round_trip(dq, back.dq, fmt), rows)
-    dk = _zero_outside(scaling.round_trip(dk, back.dk, fmt), _key_rows(inputs, key.shape))
-    dv = _zero_outside(scaling.round_trip(dv, back.dv, fmt), _key_rows(inputs, key.shape))
-    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), None
+    dq, dk, dv, _ = backward_core(config, inputs, q, k, v, out8, stats, d_o, back.d_s, fmt)
+    return tuple(scaling.round_trip(g, s, fmt).astype(x.dtype)
+                 for g, s, x in ((dq, back.dq, query), (dk, back.dk, key), (dv, back.dv, value))
+                 ) + (None,)

@@ -45,6 +45,11 @@ def _scale_for(bound, fmt):
     return largest(fmt) / jnp.where(bound > 0, bound, 1.0)
 
 
+def current_scale(x, fmt):
+    """Per-slice current scaling: x's amax maps onto the format's largest value."""
+    return _scale_for(amax(x), fmt)
+
+
 def _expand(scale, x):
     """A per-slice scale broadcast against x [..., B, T, N, H]."""
     return scale.reshape(scale.shape + (1,) * 4)
@@ -81,7 +86,7 @@ class ForwardScales:
 
 def forward_scales(query, key, value) -> ForwardScales:
     v_amax = amax(value)
-    return ForwardScales(q=_scale_for(amax(query), "e4m3"), k=_scale_for(amax(key), "e4m3"),
+    return ForwardScales(q=current_scale(query, "e4m3"), k=current_scale(key, "e4m3"),
                          v=_scale_for(v_amax, "e4m3"),
                          o=_scale_for(_P_ROUNDING * jnp.maximum(v_amax, _TINY), "e4m3"))
 
@@ -116,7 +121,7 @@ def backward_scales(query, key, value, d_output, score_scale, fmt) -> BackwardSc
     d_o_amax = amax(d_output)
     bound = lambda x: _BOUND_MARGIN * x  # noqa: E731
     return BackwardScales(
-        d_o=_scale_for(d_o_amax, fmt),
+        d_o=current_scale(d_output, fmt),
         d_s=_scale_for(bound(score_scale * m / 2), fmt),
         dq=_scale_for(bound(score_scale * 2 * m * amax(key)), fmt),
         dk=_scale_for(bound(score_scale * m / 2 * rows * amax(query)), fmt),

@@ -9,7 +9,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_sdpa"
 
 # Top to bottom. A new module gets a place here.
 LAYERS = [
-    {"__init__", "flax", "ring", "varlen", "paged"},     # entry points
+    {"__init__", "flax", "ring", "varlen", "paged", "fp8"},  # entry points
     {"ring_all_gather", "ring_blocks"},                  # ring attention's strategies, blocks
     {"attention"},                                       # dot_product_attention
     {"fused_path"},                                      # a call's cuDNN pre/post-processing

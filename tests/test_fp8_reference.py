@@ -103,3 +103,60 @@ def test_fp8_must_be_a_bool():
     q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
     with pytest.raises(TypeError, match="fp8"):
         jax_sdpa.dot_product_attention(q, q, q, fp8="e4m3")
+
+
+def _framework_call(q8, k8, v8, do8, params, causal, scale):
+    from jax_sdpa import fp8  # noqa: PLC0415
+
+    def fn(q8, k8, v8, params):
+        return fp8.dot_product_attention(q8, k8, v8, fp8_params=params, scale=scale,
+                                         mask_type="CAUSAL" if causal else "NO_MASK")
+    (out8, amax_s, amax_o), vjp = jax.vjp(jax.jit(fn), q8, k8, v8, params)
+    dq8, dk8, dv8, d_params = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
+    return out8, amax_s, amax_o, (dq8, dk8, dv8), d_params
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_framework_convention_matches_float32_and_hands_back_the_amaxes(is_causal):
+    """jax_sdpa.fp8 in JAX's use_fp8 convention: FP8 in and out, the amaxes as the scale
+    parameters' cotangents; dequantized, within FP8's error of float32 (e4m3 throughout:
+    output ~5%, gradients ~7%)."""
+    from fp8_params import quantized_problem  # noqa: PLC0415
+
+    q, k, v, d_out = random_qkv(8, 2, 128, 128, 4, 2, 64, jnp.bfloat16)
+    scale = 0.125
+    q8, k8, v8, do8, params, exact = quantized_problem(q, k, v, d_out, causal=is_causal,
+                                                       scale=scale)
+    out8, amax_s, amax_o, grads8, d_params = _framework_call(q8, k8, v8, do8, params,
+                                                             is_causal, scale)
+    assert out8.dtype == jnp.float8_e4m3fn and amax_s.shape == (1, 1, 1, 1)
+    out = out8.astype(jnp.float32) / params["scale_o"].reshape(())
+    assert 0.02 < relative_error(out, exact[0]) < 0.08
+    assert float(amax_o.reshape(())) == pytest.approx(float(jnp.max(jnp.abs(exact[0]))),
+                                                      rel=0.1)
+    largest_weight = float(amax_s.reshape(()))  # causal: the first row's only weight is 1
+    assert largest_weight == 1.0 if is_causal else 0 < largest_weight < 1.0
+    for name, g8, e in zip(("dQ", "dK", "dV"), grads8, exact[1:]):
+        assert g8.dtype == jnp.float8_e4m3fn
+        g = g8.astype(jnp.float32) / params[f"scale_{name}"].reshape(())
+        assert 0.02 < relative_error(g, e) < 0.12, name
+        assert float(d_params[f"amax_{name}"].reshape(())) == pytest.approx(
+            float(jnp.max(jnp.abs(e))), rel=0.15), name
+    assert float(d_params["amax_dP"].reshape(())) > 0
+    assert float(jnp.abs(d_params["scale_o"]).max()) == 0  # only the amaxes get cotangents
+
+
+def test_framework_convention_refuses_by_name():
+    from jax_sdpa import fp8  # noqa: PLC0415
+
+    q8 = jnp.ones((1, 8, 2, 16), jnp.float8_e4m3fn)
+    params = {name: jnp.ones((1, 1, 1, 1)) for name in fp8.FP8_PARAMS}
+    with pytest.raises(ValueError, match="bias"):
+        fp8.dot_product_attention(q8, q8, q8, bias=jnp.zeros((1, 2, 8, 8)), fp8_params=params)
+    with pytest.raises(ValueError, match="scale_dV"):
+        fp8.dot_product_attention(q8, q8, q8, fp8_params={k: v for k, v in params.items()
+                                                           if k != "scale_dV"})
+    with pytest.raises(ValueError, match="query must be a float8_e4m3fn"):
+        fp8.dot_product_attention(q8.astype(jnp.bfloat16), q8, q8, fp8_params=params)
+    with pytest.raises(ValueError, match="q_seqlen"):
+        fp8.dot_product_attention(q8, q8, q8, fp8_params=params, mask_type="PADDING")

@@ -1,0 +1,216 @@
+"""jax_sdpa.fp8.dot_product_attention: FP8 attention for frameworks that keep their own scales,
+in the convention of JAX's cuDNN FP8 path (jax._src.cudnn.fused_attention_stablehlo,
+use_fp8=True), so code written for it moves over by changing one import.
+
+Query, key and value come in float8_e4m3fn, already quantized; fp8_params holds the float32
+scale factors (descale_* undo a tensor's scale, scale_* quantize one) and the amax_*
+placeholders. The forward returns (output in float8_e4m3fn quantized with scale_o, amax_s,
+amax_o); its vjp gives dQ, dK, dV in float8_e4m3fn (quantized with scale_dQ/dK/dV) and hands
+the backward's amaxes back as the cotangents of amax_dQ, amax_dK, amax_dV and amax_dP (the
+other parameters get zeros). cuDNN runs it where it can (Hopper and newer; the backward takes
+head_dim 128 on Hopper), the same arithmetic in pure JAX elsewhere (jax_sdpa/fp8_reference.py).
+Beyond JAX's: causal and padding masks by sequence lengths (mask_type PADDING, PADDING_CAUSAL).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import _ffi, fp8_reference, planning
+from jax_sdpa import fp8_scaling as scaling
+from jax_sdpa.kernel_config import KernelConfig
+
+# JAX's fp8_params keys: the forward reads the first six scale factors, the backward thirteen
+# (in ffi/sdpa_graphs.h's Fp8Scale order); the amaxes are placeholders for the backward's.
+FORWARD_FACTORS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+BACKWARD_FACTORS = FORWARD_FACTORS + ("descale_o", "descale_dO", "descale_dP", "scale_dQ",
+                                      "scale_dK", "scale_dV", "scale_dP")
+AMAXES = ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")
+FP8_PARAMS = AMAXES + BACKWARD_FACTORS
+_MASK_TYPES = {"NO_MASK": (False, False), "CAUSAL": (True, False), "PADDING": (False, True),
+               "PADDING_CAUSAL": (True, True)}
+_E4M3 = jnp.float8_e4m3fn
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
+                          kv_seqlen=None, q_offsets=None, kv_offsets=None, fp8_params=None, *,
+                          scale=1.0, mask_type="NO_MASK", seed=42, dropout_rate=0.0,
+                          qkv_layout="BTNH", sliding_window_length=None, use_fp8=True,
+                          return_residual=False):
+    """FP8 attention of query [B, T, N, H], key [B, S, K, H], value [B, S, K, H] (all
+    float8_e4m3fn, BTNH): (output float8_e4m3fn [B, T, N, H], amax_s, amax_o float32 [1, 1, 1,
+    1]). mask_type: JAX's MaskType or its name; q_seqlen and kv_seqlen int32 [B] with the
+    PADDING types. Bias, mask, packed offsets, dropout, sliding windows and the residual are
+    not taken in FP8 (ValueError). seed is unused (no dropout)."""
+    del seed
+    causal, padding = _checked_mask_type(mask_type)
+    _refuse(bias=bias, mask=mask, q_offsets=q_offsets, kv_offsets=kv_offsets,
+            sliding_window_length=sliding_window_length)
+    if dropout_rate:
+        raise ValueError(f"dropout_rate must be 0 in FP8, got {dropout_rate}")
+    if return_residual:
+        raise ValueError("return_residual is not taken in FP8 (JAX's FP8 path has none either)")
+    if not use_fp8:
+        raise ValueError("jax_sdpa.fp8.dot_product_attention is the use_fp8=True path; use "
+                         "jax_sdpa.dot_product_attention otherwise")
+    if qkv_layout not in ("BTNH", "BSNH"):
+        raise ValueError(f"qkv_layout must be 'BTNH' (or 'BSNH'), got {qkv_layout!r}")
+    _check_operands(query, key, value)
+    params = _checked_params(fp8_params)
+    lengths = _checked_lengths(padding, q_seqlen, kv_seqlen, query.shape[0])
+    config = KernelConfig(scale=float(scale), window_right=0 if causal else -1,
+                          has_lengths=padding, fp8="e4m3",
+                          implementation=_implementation(query, value))
+    return _attention(config, query, key, value, lengths, params)
+
+
+def _checked_mask_type(mask_type):
+    name = getattr(mask_type, "name", mask_type)
+    if not isinstance(name, str) or name.upper() not in _MASK_TYPES:
+        raise ValueError(f"mask_type must be one of {sorted(_MASK_TYPES)} in FP8, got "
+                         f"{mask_type!r}")
+    return _MASK_TYPES[name.upper()]
+
+
+def _refuse(**options):
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise ValueError(f"FP8 attention takes no {', '.join(given)}")
+
+
+def _check_operands(query, key, value):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "dtype", None) != _E4M3 or getattr(x, "ndim", 0) != 4:
+            raise ValueError(f"{name} must be a float8_e4m3fn [B, T|S, heads, head_dim] array, "
+                             f"got {getattr(x, 'dtype', type(x))} of shape "
+                             f"{getattr(x, 'shape', None)}")
+    if key.shape != value.shape or key.shape[0] != query.shape[0] or \
+            key.shape[3] != query.shape[3] or query.shape[2] % key.shape[2]:
+        raise ValueError(f"query {query.shape}, key {key.shape} and value {value.shape} do not "
+                         "form one attention problem (value's shape must be key's; query heads "
+                         "a multiple of key heads)")
+
+
+def _checked_params(fp8_params):
+    if not isinstance(fp8_params, dict):
+        raise ValueError(f"fp8_params must be a dict of {len(FP8_PARAMS)} float32 scalars, got "
+                         f"{type(fp8_params).__name__}")
+    missing = [name for name in FP8_PARAMS if name not in fp8_params]
+    if missing:
+        raise ValueError(f"fp8_params is missing {', '.join(missing)}")
+    params = {}
+    for name in FP8_PARAMS:
+        value = jnp.asarray(fp8_params[name])
+        if value.size != 1:
+            raise ValueError(f"fp8_params[{name!r}] must hold one value, got shape "
+                             f"{value.shape}")
+        params[name] = value
+    return params
+
+
+def _checked_lengths(padding, q_seqlen, kv_seqlen, batch):
+    if not padding:
+        _refuse(q_seqlen=q_seqlen, kv_seqlen=kv_seqlen)
+        return None
+    if q_seqlen is None or kv_seqlen is None:
+        raise ValueError("a PADDING mask_type needs q_seqlen and kv_seqlen")
+    lengths = []
+    for name, x in (("q_seqlen", q_seqlen), ("kv_seqlen", kv_seqlen)):
+        x = jnp.asarray(x)
+        if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer [{batch}] array, got {x.dtype} "
+                             f"{x.shape}")
+        lengths.append(x.astype(jnp.int32))
+    return tuple(lengths)
+
+
+def _implementation(query, value):
+    """"cudnn" where cuDNN's FP8 graphs run this call, both directions; else "xla"."""
+    head_dim = query.shape[-1]
+    reason = (planning.device_reason() or planning.fp8_reason(head_dim, value.shape[-1]) or
+              planning.fp8_backward_reason(query.shape[1], value.shape[1], head_dim))
+    return "xla" if reason else "cudnn"
+
+
+def _factors(params, names):
+    """float32 [len(names), 4]: the FFI's scale rows."""
+    return jnp.broadcast_to(jnp.stack([params[n].reshape(()).astype(jnp.float32)
+                                       for n in names])[:, None], (len(names), 4))
+
+
+def _inputs(query, key, value, lengths):
+    inputs = dict(query=query, key=key, value=value)
+    if lengths is not None:
+        inputs["q_lengths"], inputs["kv_lengths"] = lengths
+    return inputs
+
+
+def _scalar(x):
+    return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+
+
+def _dequantized(x, descale):
+    return x.astype(jnp.float32) * descale.reshape(()).astype(jnp.float32)
+
+
+def _quantized(x, scale):
+    return scaling.quantize(x, scale.reshape(()).astype(jnp.float32), "e4m3")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config, query, key, value, lengths, params):
+    return _forward(config, query, key, value, lengths, params)[0]
+
+
+def _forward(config, query, key, value, lengths, params):
+    inputs = _inputs(query, key, value, lengths)
+    if config.implementation == "cudnn":
+        out8, stats, amaxes = _ffi.sdpa_forward(
+            inputs, config, fp8_scales=_factors(params, FORWARD_FACTORS))
+        amax_s, amax_o = amaxes[0, 0], amaxes[1, 0]
+    else:
+        q, k, v = (_dequantized(x, params[n]) for x, n in
+                   ((query, "descale_q"), (key, "descale_k"), (value, "descale_v")))
+        out, stats, amax_s = fp8_reference.forward_core(config, inputs, q, k, v,
+                                                        params["scale_s"].reshape(()))
+        amax_o, out8 = scaling.amax(out), _quantized(out, params["scale_o"])
+    result = (out8, _scalar(amax_s), _scalar(amax_o))
+    return result, (query, key, value, lengths, params, out8, stats)
+
+
+def _backward(config, residuals, cotangents):
+    query, key, value, lengths, params, out8, stats = residuals
+    d_out = cotangents[0].astype(_E4M3)
+    inputs = _inputs(query, key, value, lengths)
+    if config.implementation == "cudnn":
+        dq, dk, dv, _, amaxes = _ffi.sdpa_backward(
+            inputs, out8, stats, d_out, config, fp8_scales=_factors(params, BACKWARD_FACTORS))
+        amax = dict(zip(AMAXES, amaxes[:, 0]))
+    else:
+        q, k, v, o, d_o = (_dequantized(x, params[n]) for x, n in
+                           ((query, "descale_q"), (key, "descale_k"), (value, "descale_v"),
+                            (out8, "descale_o"), (d_out, "descale_dO")))
+        grads = fp8_reference.backward_core(config, inputs, q, k, v, o, stats, d_o,
+                                            params["scale_dP"].reshape(()), "e4m3",
+                                            params["scale_s"].reshape(()))
+        amax = dict(zip(AMAXES, [scaling.amax(g) for g in grads[:3]] + [grads[3]]))
+        dq, dk, dv = (_quantized(g, params[n]) for g, n in
+                      zip(grads[:3], ("scale_dQ", "scale_dK", "scale_dV")))
+    d_params = {name: jnp.zeros_like(x) for name, x in params.items()}
+    for name in AMAXES:
+        d_params[name] = _scalar(amax[name]).reshape(params[name].shape).astype(
+            params[name].dtype)
+    return dq, dk, dv, None, d_params
+
+
+_attention.defvjp(_forward, _backward)
+
+
+def quantize(x, fmt="e4m3"):
+    """(x [B, T, N, H] in the format with per-tensor current scaling, its descale factor
+    float32 [1, 1, 1, 1]): the scaling fp8=True applies, for callers building fp8_params."""
+    scale = scaling.current_scale(x, fmt)
+    return scaling.quantize(x, scale, fmt), _scalar(1 / scale)
