@@ -262,9 +262,6 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
 
 }  // namespace
 
-int64_t Fp8ScaleCount(Direction direction) { return direction == Direction::kForward ? 6 : 13; }
-int64_t Fp8AmaxCount(Direction direction) { return direction == Direction::kForward ? 2 : 4; }
-
 ffi::Error CheckShape(const ffi::AnyBuffer& buffer, ffi::DataType type,
                       const std::vector<int64_t>& expected, const char* name) {
   auto dims = buffer.dimensions();

@@ -10,6 +10,7 @@
 
 #include "call_attributes.h"
 #include "check.h"
+#include "fp8_scales.h"
 #include "sdpa_config.h"
 
 namespace jax_sdpa {
@@ -20,13 +21,6 @@ struct OptionalInputs {
   std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
       poison_rows, tails, fp8_scales;
 };
-
-// An FP8 call's float32 scale factors, one per row of 4 floats (cuDNN reads each as a
-// [1, 1, 1, 1] tensor and wants it 16-byte aligned), in sdpa_graphs.h's Fp8Scale order; and its
-// amaxes, one result of the same layout.
-constexpr int64_t kFp8ScaleRow = 4;
-int64_t Fp8ScaleCount(Direction direction);
-int64_t Fp8AmaxCount(Direction direction);
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
 // time on the next 1/repeats of every operand.

@@ -37,7 +37,7 @@ enum TensorUid : int64_t {
   kStatsOffsets,
   kKPageTable,  // paged K/V: int32 [batch, pages per sequence]; one table serves K and V
   kVPageTable,
-  kFp8Scales,         // an FP8 call's scale factors: kFp8Scales + Fp8Scale (sdpa_graphs.h)
+  kFp8Scales,         // an FP8 call's scale factors: kFp8Scales + Fp8Scale (fp8_scales.h)
   kFp8Amaxes = 64,    // and its amaxes: kFp8Amaxes + Fp8ForwardAmax / Fp8BackwardAmax
 };
 

@@ -8,7 +8,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "call_plan.h"
 #include "sdpa_graph_description.h"
 
 namespace jax_sdpa {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check.h"
+#include "fp8_scales.h"
 #include "sdpa_config.h"
 
 namespace jax_sdpa {
@@ -40,29 +41,7 @@ struct AttentionInputs {
   const void* dropout_seed = nullptr;
 };
 
-// An FP8 call's float32 scale factors (each 16-byte aligned: call_plan.h's kFp8ScaleRow), in
-// this order: the forward reads the first six, the backward all thirteen. A descale undoes the
-// scale its tensor was quantized with; scale_s quantizes the softmax weights, scale_o the
-// output, scale_dp the backward's dS, scale_dq/dk/dv the gradients.
-enum Fp8Scale : int64_t {
-  kDescaleQ,
-  kDescaleK,
-  kDescaleV,
-  kDescaleS,
-  kScaleS,
-  kScaleO,
-  kDescaleO,
-  kDescaleDO,
-  kDescaleDP,
-  kScaleDQ,
-  kScaleDK,
-  kScaleDV,
-  kScaleDP,
-};
-enum Fp8ForwardAmax : int64_t { kAmaxS, kAmaxO };
-enum Fp8BackwardAmax : int64_t { kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDP };
-
-// An FP8 call's float32 scales in (rows of call_plan.h's kFp8ScaleRow floats) and amaxes out
+// An FP8 call's float32 scales in (rows of fp8_scales.h's kFp8ScaleRow floats) and amaxes out
 // (the same rows); null for other calls.
 struct Fp8Buffers {
   const float* scales = nullptr;
