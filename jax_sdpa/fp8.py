@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_reference, planning
+from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning
 from jax_sdpa import fp8_scaling as scaling
 from jax_sdpa.kernel_config import KernelConfig
 
@@ -136,9 +136,7 @@ def _implementation(query, value):
 
 
 def _factors(params, names):
-    """float32 [len(names), 4]: the FFI's scale rows."""
-    return jnp.broadcast_to(jnp.stack([params[n].reshape(()).astype(jnp.float32)
-                                       for n in names])[:, None], (len(names), 4))
+    return fp8_kernels.scale_rows([params[n].reshape(()) for n in names])
 
 
 def _inputs(query, key, value, lengths):

@@ -14,7 +14,7 @@ from jax_sdpa import fp8_scaling as scaling
 _SCALE_ROW = 4  # floats per scale: cuDNN wants each [1, 1, 1, 1] tensor 16-byte aligned
 
 
-def _operand(factors):
+def scale_rows(factors):
     """float32 [..., len(factors), 4]: the FFI's scale rows (ffi/sdpa_graphs.h's Fp8Scale)."""
     stacked = jnp.stack([jnp.asarray(f, jnp.float32) for f in factors], axis=-1)
     return jnp.broadcast_to(stacked[..., None], (*stacked.shape, _SCALE_ROW))
@@ -37,7 +37,7 @@ def forward(config, inputs):
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     scales = scaling.forward_scales(query, key, value)
     out8, stats = _ffi.sdpa_forward(_quantized(inputs, scales), config,
-                                    fp8_scales=_operand(_forward_factors(scales)))[:2]
+                                    fp8_scales=scale_rows(_forward_factors(scales)))[:2]
     return scaling.dequantize(out8, scales.o, query.dtype), stats
 
 
@@ -53,7 +53,7 @@ def backward(config, inputs, output, stats, d_output):
         1 / forward_scales.o, 1 / back.d_o, 1 / back.d_s, back.dq, back.dk, back.dv, back.d_s]
     dq, dk, dv, _, _ = _ffi.sdpa_backward(
         _quantized(inputs, forward_scales), scaling.quantize(output, forward_scales.o, "e4m3"),
-        stats, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=_operand(factors))
+        stats, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=scale_rows(factors))
     return (scaling.dequantize(dq, back.dq, query.dtype),
             scaling.dequantize(dk, back.dk, key.dtype),
             scaling.dequantize(dv, back.dv, value.dtype), None)

@@ -16,14 +16,15 @@ def test_quantize_saturates_and_rounds_to_the_format():
     x = jnp.array([1e4, -1e4, 448.0, 0.3, -7.1, 0.0], jnp.float32).reshape(1, 1, 1, 6)
     q = scaling.quantize(x, jnp.float32(1.0), "e4m3")
     assert q.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(q, np.float32).ravel(), [448, -448, 448, 0.3125, -7, 0])
+    np.testing.assert_array_equal(np.asarray(q, np.float32).ravel(),
+                                  [448, -448, 448, 0.3125, -7, 0])
     big = scaling.quantize(jnp.full((1, 1, 1, 1), 1e6), jnp.float32(1.0), "e5m2")
     assert float(big.astype(jnp.float32)[0, 0, 0, 0]) == 57344.0
 
 
 def test_current_scale_maps_each_slices_amax_onto_the_largest_value():
-    x = jax.random.normal(jax.random.key(0), (2, 1, 16, 4, 8)) * jnp.array([3.0, 0.5])[:, None,
-                                                                                    None, None, None]
+    slices = jnp.array([3.0, 0.5])[:, None, None, None, None]
+    x = jax.random.normal(jax.random.key(0), (2, 1, 16, 4, 8)) * slices
     scales = scaling.forward_scales(x, x, x)
     assert scales.q.shape == (2,)  # one per vmapped slice
     np.testing.assert_allclose(scaling.amax(x) * scales.q, 448.0, rtol=1e-6)
