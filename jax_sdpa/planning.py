@@ -297,6 +297,9 @@ def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
 def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan | None:
     """The cuDNN plan of a validated call, or None for the reference path (after its
     warning, or NotImplementedError with implementation="cudnn")."""
+    if call.fp8 and deterministic:
+        raise ValueError("deterministic=True is not offered with fp8=True (cuDNN's FP8 backward "
+                         "has no deterministic algorithm on Hopper)")
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = device_reason() or call_reason(call)

@@ -100,6 +100,12 @@ def test_fp8_refuses_what_it_does_not_take_by_name(option):
         jax_sdpa.dot_product_attention(q, k, k, fp8=True, **option)
 
 
+def test_fp8_refuses_deterministic():
+    q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="deterministic"):
+        jax_sdpa.dot_product_attention(q, q, q, fp8=True, deterministic=True)
+
+
 def test_fp8_must_be_a_bool():
     q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
     with pytest.raises(TypeError, match="fp8"):
