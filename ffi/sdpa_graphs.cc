@@ -117,13 +117,16 @@ TensorPtr AddInt32Vector(fe::graph::Graph& graph, const char* name, int64_t uid,
                           .set_data_type(fe::DataType_t::INT32));
 }
 
-TensorPtr AddInt64Scalar(fe::graph::Graph& graph, const char* name, int64_t uid) {
+// A [1, 1, 1, 1] device scalar: the dropout seed and offset (int64), an FP8 call's scale
+// factors and amaxes (float32).
+TensorPtr AddScalar(fe::graph::Graph& graph, const char* name, int64_t uid,
+                    fe::DataType_t type) {
   return graph.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
                           .set_uid(uid)
                           .set_dim({1, 1, 1, 1})
                           .set_stride({1, 1, 1, 1})
-                          .set_data_type(fe::DataType_t::INT64));
+                          .set_data_type(type));
 }
 
 // The ragged layout's offset tensors (null tensors when the layout is dense).
@@ -202,8 +205,9 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& sof
   }
   if (c.bias_batch > 0) options.set_bias(AddBias(graph, c, "bias", kBias));
   if (c.dropout > 0) {
-    options.set_dropout(c.dropout, AddInt64Scalar(graph, "dropout_seed", kDropoutSeed),
-                        AddInt64Scalar(graph, "dropout_offset", kDropoutOffset));
+    options.set_dropout(c.dropout,
+                        AddScalar(graph, "dropout_seed", kDropoutSeed, fe::DataType_t::INT64),
+                        AddScalar(graph, "dropout_offset", kDropoutOffset, fe::DataType_t::INT64));
   }
 }
 
@@ -290,16 +294,6 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
   return graph;
 }
 
-// An FP8 call's float32 [1, 1, 1, 1] scale factor or amax.
-TensorPtr AddFloatScalar(fe::graph::Graph& graph, const char* name, int64_t uid) {
-  return graph.tensor(fe::graph::Tensor_attributes()
-                          .set_name(name)
-                          .set_uid(uid)
-                          .set_dim({1, 1, 1, 1})
-                          .set_stride({1, 1, 1, 1})
-                          .set_data_type(fe::DataType_t::FLOAT));
-}
-
 void SetAmaxOutput(const TensorPtr& amax, int64_t uid) {
   amax->set_output(true).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1})
       .set_data_type(fe::DataType_t::FLOAT);
@@ -324,7 +318,7 @@ std::shared_ptr<fe::graph::Graph> DescribeFp8Forward(const SdpaConfig& c) {
   auto k = AddBshdTensor(*graph, "K", kK, c, KeySide(c, c.head_dim), nullptr);
   auto v = AddBshdTensor(*graph, "V", kV, c, KeySide(c, c.head_dim_v), nullptr);
   auto scale = [&](const char* name, Fp8Scale which) {
-    return AddFloatScalar(*graph, name, kFp8Scales + which);
+    return AddScalar(*graph, name, kFp8Scales + which, fe::DataType_t::FLOAT);
   };
   auto options = fe::graph::SDPA_fp8_attributes()
                      .set_name("jax_sdpa_fp8_forward")
@@ -356,7 +350,7 @@ std::shared_ptr<fe::graph::Graph> DescribeFp8Backward(const SdpaConfig& c) {
   auto stats = graph->tensor(fe::graph::Tensor_attributes().set_name("Stats"));
   SetStatsLayout(*stats, c, nullptr);
   auto scale = [&](const char* name, Fp8Scale which) {
-    return AddFloatScalar(*graph, name, kFp8Scales + which);
+    return AddScalar(*graph, name, kFp8Scales + which, fe::DataType_t::FLOAT);
   };
   auto options = fe::graph::SDPA_fp8_backward_attributes()
                      .set_name("jax_sdpa_fp8_backward")

@@ -116,18 +116,11 @@ ffi::ErrorOr<std::optional<ffi::AnyBuffer>> GivenWorkspace(ffi::RemainingRets& e
   return std::optional<ffi::AnyBuffer>(**result);
 }
 
+// XLA's dtype of each ElementType, in its order.
 ffi::DataType BufferType(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat16:
-      return ffi::DataType::F16;
-    case ElementType::kBFloat16:
-      return ffi::DataType::BF16;
-    case ElementType::kFloat8E4M3:
-      return ffi::DataType::F8E4M3FN;
-    case ElementType::kFloat8E5M2:
-      return ffi::DataType::F8E5M2;
-  }
-  return ffi::DataType::INVALID;
+  static constexpr ffi::DataType kTypes[] = {ffi::DataType::F16, ffi::DataType::BF16,
+                                             ffi::DataType::F8E4M3FN, ffi::DataType::F8E5M2};
+  return kTypes[static_cast<int32_t>(type)];
 }
 
 // An FP8 call's amaxes: the remaining result `index`, float32 [..., count, kFp8ScaleRow].
