@@ -11,6 +11,7 @@ backward below take fp8=True's bfloat16/float16 inputs and fp8_scaling.py's scal
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax_sdpa import fp8_scaling as scaling
@@ -36,8 +37,7 @@ def _weights(config, inputs, q, k, lse=None):
     if keep is not None:
         scores = jnp.where(keep, scores, large_negative())
     if lse is None:
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        lse = (jnp.log(jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True)) + top)[..., 0]
+        lse = jax.nn.logsumexp(scores, axis=-1)
     return jnp.exp(scores - lse[..., None]), lse
 
 

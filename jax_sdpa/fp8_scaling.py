@@ -121,7 +121,7 @@ def backward_scales(query, key, value, d_output, score_scale, fmt) -> BackwardSc
     d_o_amax = amax(d_output)
     bound = lambda x: _BOUND_MARGIN * x  # noqa: E731
     return BackwardScales(
-        d_o=current_scale(d_output, fmt),
+        d_o=_scale_for(d_o_amax, fmt),
         d_s=_scale_for(bound(score_scale * m / 2), fmt),
         dq=_scale_for(bound(score_scale * 2 * m * amax(key)), fmt),
         dk=_scale_for(bound(score_scale * m / 2 * rows * amax(query)), fmt),
