@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning
 from jax_sdpa import fp8_scaling as scaling
+from jax_sdpa._warnings import warn
 from jax_sdpa.kernel_config import KernelConfig
 
 # JAX's fp8_params keys: the forward reads the first six scale factors, the backward thirteen
@@ -128,11 +129,17 @@ def _checked_lengths(padding, q_seqlen, kv_seqlen, batch):
 
 
 def _implementation(query, value):
-    """"cudnn" where cuDNN's FP8 graphs run this call, both directions; else "xla"."""
+    """"cudnn" where cuDNN's FP8 graphs run this call, both directions; else "xla", with a
+    warning where an NVIDIA GPU is there (the XLA path is a speed cliff)."""
     head_dim = query.shape[-1]
-    reason = (planning.device_reason() or planning.fp8_reason(head_dim, value.shape[-1]) or
+    if planning.device_reason() is not None:
+        return "xla"
+    reason = (planning.fp8_reason(head_dim, value.shape[-1]) or
               planning.fp8_backward_reason(query.shape[1], value.shape[1], head_dim))
-    return "xla" if reason else "cudnn"
+    if reason is None:
+        return "cudnn"
+    warn(f"jax_sdpa.fp8: using the XLA reference path because {reason}")
+    return "xla"
 
 
 def _factors(params, names):
