@@ -27,7 +27,8 @@ CONFIGS = {  # name: (batch, T, S, N, K, head_dim, causal, lengths)
     "gqa-causal": (1, 384, 384, 8, 2, 128, True, None),
     "mqa-cross": (2, 256, 640, 4, 1, 128, False, None),
     "lengths-causal": (3, 257, 257, 4, 4, 128, True, (1, 200, 257)),
-    "odd-7": (1, 7, 7, 2, 2, 128, True, None),  # the backward takes the reference (T < 64)
+    "one-1": (1, 1, 1, 2, 2, 128, False, None),  # the backward takes the reference (T < 64)
+    "odd-7": (1, 7, 7, 2, 2, 128, True, None),
     "short-64": (2, 64, 64, 2, 2, 128, True, None),
     "short-65-cross": (1, 65, 100, 2, 1, 128, False, None),
     "odd-2501": (1, 2501, 2501, 2, 2, 128, True, None),
