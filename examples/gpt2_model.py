@@ -21,7 +21,7 @@ def _jax_nn(implementation):
 
 
 def _jax_sdpa(q, k, v, segment_ids=None, **variants):
-    """variants: logits_soft_cap, sinks (only jax_sdpa has them)."""
+    """variants: logits_soft_cap, sinks, fp8 (only jax_sdpa has them)."""
     return jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
                                           query_segment_ids=segment_ids, **variants)
 
@@ -46,6 +46,7 @@ class GPTConfig:
     attention: str = "jax_sdpa"
     logits_soft_cap: float | None = None  # Gemma 2-style capping of the attention scores
     sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
+    fp8: bool = False  # FP8 attention (jax_sdpa's fp8=True: e4m3 forward, e5m2 backward)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -58,6 +59,8 @@ class CausalSelfAttention(nnx.Module):
         self.variants = {}
         if config.logits_soft_cap is not None:
             self.variants["logits_soft_cap"] = config.logits_soft_cap
+        if config.fp8:
+            self.variants["fp8"] = True
         # The sinks start at 0: one token's worth of weight going nowhere.
         self.sinks = nnx.Param(jnp.zeros((config.n_head,), jnp.float32)) if config.sinks else None
 

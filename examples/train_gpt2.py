@@ -6,6 +6,7 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
     python examples/train_gpt2.py --pack               # rows packed with whole source files
     python examples/train_gpt2.py --rows padded        # one file per row, padded: to compare
     python examples/train_gpt2.py --logits-soft-cap 30 --sinks   # Gemma 2 / gpt-oss attention
+    python examples/train_gpt2.py --fp8-attention --n-head 6     # FP8 attention, head_dim 128
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
@@ -62,11 +63,18 @@ def parse_args(argv=None):
                         help="cap the attention scores: cap * tanh(scores / cap) (jax_sdpa)")
     parser.add_argument("--sinks", action="store_true",
                         help="a learned attention-sink logit per head (jax_sdpa)")
+    parser.add_argument("--fp8-attention", dest="fp8", action="store_true",
+                        help="FP8 attention (jax_sdpa, fp8=True; on Hopper the backward runs on "
+                             "cuDNN at head_dim 128, e.g. --n-head 6 at d_model 768)")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
-    if (args.logits_soft_cap is not None or args.sinks) and args.attention != "jax_sdpa":
-        parser.error("--logits-soft-cap and --sinks need --attention jax_sdpa (jax.nn has "
-                     "neither)")
+    if ((args.logits_soft_cap is not None or args.sinks or args.fp8) and
+            args.attention != "jax_sdpa"):
+        parser.error("--logits-soft-cap, --sinks and --fp8-attention need --attention jax_sdpa "
+                     "(jax.nn has none of them)")
+    if args.fp8 and (args.logits_soft_cap is not None or args.sinks or args.rows != "windows"):
+        parser.error("--fp8-attention takes causal windows only (no --logits-soft-cap, --sinks "
+                     "or packed/padded rows)")
     preset = args.preset or ("gpt2" if jax.default_backend() == "gpu" else "cpu")
     settings = dict(PRESETS[preset], preset=preset)
     # Flags given on the command line override the preset; the others keep the preset's value.
@@ -147,13 +155,14 @@ def save_plot(path, history, validation, title):
 
 def main(argv=None):
     args = parse_args(argv)
-    out_dir = pathlib.Path(args.out_dir or f"runs/gpt2-{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
+    label = args.attention + ("-fp8" if args.fp8 else "")
+    out_dir = pathlib.Path(args.out_dir or f"runs/gpt2-{label}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     next_batch, val_batches, train_bytes = batches(args, rng)
     config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                        d_model=args.d_model, dtype=args.dtype, attention=args.attention,
-                       logits_soft_cap=args.logits_soft_cap, sinks=args.sinks)
+                       logits_soft_cap=args.logits_soft_cap, sinks=args.sinks, fp8=args.fp8)
     model = GPT(config, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -165,7 +174,7 @@ def main(argv=None):
     train_step, eval_loss = make_train_step(graphdef, optimizer)
     device = jax.devices()[0]
     print(f"{args.preset} preset on {device.device_kind}: {n_params / 1e6:.2f}M parameters, "
-          f"attention={args.attention}, rows={args.rows}, {train_bytes / 1e6:.1f} MB of "
+          f"attention={label}, rows={args.rows}, {train_bytes / 1e6:.1f} MB of "
           "training bytes")
 
     history, validation, timed = [], [], []  # timed: (seconds, tokens with a loss) per step
@@ -198,7 +207,7 @@ def main(argv=None):
     (out_dir / "log.json").write_text(json.dumps(log, indent=1))
     save_parameters(out_dir / "params.npz", params)  # examples/generate.py reads them
     save_plot(out_dir / "loss.png", history, validation,
-              f"GPT ({n_params / 1e6:.1f}M), attention={args.attention}, {device.device_kind}")
+              f"GPT ({n_params / 1e6:.1f}M), attention={label}, {device.device_kind}")
     rate = f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a"
     print(f"done: validation loss {validation[-1]['loss']:.3f}, {rate} tokens/s; wrote "
           f"{out_dir / 'log.json'}, {out_dir / 'loss.png'} and {out_dir / 'params.npz'} "

@@ -102,3 +102,26 @@ def test_sharded_training_on_eight_host_devices(mode, tmp_path):
     line = [x for x in result.stdout.splitlines() if x.startswith("done:")][0]
     first, last = (float(x) for x in line.split("loss ")[1].split(",")[0].split(" -> "))
     assert last < first - 1.0, line
+
+
+def test_fp8_attention_flag_reaches_the_model():
+    """--fp8-attention gives the model jax_sdpa's fp8=True: its logits differ from bf16
+    attention's by FP8's rounding (not zero, not more than FP8's error), and the flag is
+    refused where FP8 attention takes no part (jax.nn, packed rows)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from gpt2_model import GPT, GPTConfig  # noqa: PLC0415
+    from train_gpt2 import parse_args  # noqa: PLC0415
+    assert parse_args(["--fp8-attention", "--n-head", "6"]).fp8
+    for flags in (["--attention", "xla"], ["--pack"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--fp8-attention", *flags])
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 48), dtype=np.int32)
+    logits = {}
+    for fp8 in (False, True):
+        config = GPTConfig(seq_len=48, n_layer=1, n_head=2, d_model=64, dtype="float32", fp8=fp8)
+        logits[fp8] = np.asarray(jax.jit(lambda x, m=GPT(config, nnx.Rngs(0)): m(x))(tokens))
+    error = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
+    assert 1e-4 < error < 0.1, error
