@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) with everything jax_sdpa needs, and builds the C++ extension into it
 # (an editable install: edits to jax_sdpa/*.py apply at once; ffi/*.cc rebuild on the next run).
-# A compile error in ffi/ fails this script. Uses python3 (3.11+) unless PYTHON is set.
+# A compile error in ffi/ fails this script. Uses PYTHON if set, else a python3 of 3.11+.
 # With an NVIDIA GPU (nvidia-smi answers) it installs the CUDA 13 runtime too (the cuda13
 # extra and jax[cuda13]); without one, only what building the extension needs: cuDNN's and the
 # CUDA runtime's wheels without their own dependencies (cuBLAS and the rest are for running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python="${PYTHON:-python3}"
 fail() { echo "setup_env.sh: $*" >&2; exit 1; }
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || fail "$("$python" --version 2>&1) is too old: jax_sdpa needs JAX 0.10 or newer, which runs on Python 3.11 or newer (set PYTHON=python3.11)"
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
+# JAX 0.10 (and so jax_sdpa) runs on Python 3.11 or newer: a PYTHON that is older fails here,
+# naming why; without PYTHON, the first of python3, python3.13, python3.12, python3.11 that is
+# new enough is taken.
+if [ -n "${PYTHON:-}" ]; then
+  python="$PYTHON"
+  new_enough "$python" || fail "PYTHON=$python ($("$python" --version 2>&1)) cannot run jax_sdpa: it needs JAX 0.10 or newer, which runs on Python 3.11 or newer (set PYTHON=python3.11 or newer)"
+else
+  python=
+  for candidate in python3 python3.13 python3.12 python3.11; do
+    if new_enough "$candidate"; then python="$candidate"; break; fi
+  done
+  [ -n "$python" ] || fail "no Python 3.11 or newer found (python3 is $(python3 --version 2>&1)): jax_sdpa needs JAX 0.10 or newer, which runs on Python 3.11 or newer; install one and set PYTHON to it"
+  [ "$python" = python3 ] || echo "setup_env.sh: python3 is $(python3 --version 2>&1), too old for JAX 0.10: using $python"
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "setup_env.sh: creating .venv with $("$python" --version 2>&1)"
   "$python" -m venv .venv || fail "could not create .venv with $python (is python3-venv installed?)"
