@@ -63,7 +63,7 @@ def _no_fallback():
         return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
                 jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
 
-    def backward(config, inputs, output, stats, d_output, forward_fn=None):
+    def backward(config, inputs, output, lse, d_output, forward_fn=None):
         return (jnp.zeros_like(inputs["query"]), jnp.zeros_like(inputs["key"]),
                 jnp.zeros_like(inputs["value"]), None)
     return types.SimpleNamespace(blockwise_forward=forward, backward=backward)
@@ -107,7 +107,7 @@ def _its_plan_only(config):
     (the same kernels: with and without the switch then differ by the switch alone; the
     largest plan would run other kernels on cuDNN 9.28)."""
     entries, bound, _ = ragged_layout(config, DEFAULT_MAX_SEGMENTS)
-    return _patched(kernels, _plans=lambda *args: [(entries, (bound, bound))])
+    return _patched(kernels, _grids=lambda *args: [(entries, (bound, bound))])
 
 
 def timed_variants(config, ids, rounds):

@@ -13,14 +13,14 @@
 #define JAX_SDPA_ATTRIBUTES(X, SEP)                                                  \
   X(float, scale)                                                                    \
   SEP X(float, soft_cap)       /* cap * tanh(scores / cap); 0: none */                \
-  SEP X(int64_t, window_left)  /* cuDNN's exclusive left bound; -1: none */          \
+  SEP X(int64_t, window_left)  /* inclusive, as local_window_size; -1: none */        \
   SEP X(int64_t, window_right) /* 0 is causal; -1: none */                           \
   SEP X(bool, bottom_right)                                                          \
   SEP X(bool, has_bias)                                                              \
-  SEP X(bool, has_lengths)                                                           \
+  SEP X(bool, padding) /* int32 [B] lengths operands: cuDNN's padding mask */       \
   SEP X(bool, ragged) /* packed documents: lengths per document, offsets */          \
-  SEP X(int64_t, max_document_q)  /* ragged: the longest document's queries; 0: T */  \
-  SEP X(int64_t, max_document_kv) /* and keys; 0: S */                                \
+  SEP X(int64_t, max_document_length_q)  /* ragged: longest document, queries; 0: T */ \
+  SEP X(int64_t, max_document_length_kv) /* and keys; 0: S */                       \
   SEP X(bool, paged) /* forward: K/V page pools and a page table */                  \
   SEP X(bool, bias_grad)                                                             \
   SEP X(bool, deterministic)                                                         \

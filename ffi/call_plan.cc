@@ -15,6 +15,12 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
   return DimsToString(ffi::Span<const int64_t>(dims.data(), dims.size()));
 }
 
+// The window's left bound from the attribute's inclusive convention (keys j >= i - left) to
+// cuDNN's exclusive one (keys j > i - left); -1: none.
+int64_t CudnnLeftBound(int64_t inclusive_left) {
+  return inclusive_left < 0 ? -1 : inclusive_left + 1;
+}
+
 ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const char* name) {
   switch (buffer.element_type()) {
     case ffi::DataType::F16:
@@ -102,11 +108,11 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   c.head_dim_v = vd[rank - 1];
   c.scale = attributes.scale;
   c.soft_cap = attributes.soft_cap;
-  c.window_left = attributes.window_left;
+  c.window_left = CudnnLeftBound(attributes.window_left);
   c.window_right = attributes.window_right;
   c.bottom_right = attributes.bottom_right;
   c.deterministic = direction == Direction::kBackward && attributes.deterministic;
-  c.padding = attributes.has_lengths;
+  c.padding = attributes.padding;
   c.ragged = attributes.ragged;
   c.dropout = attributes.dropout;
   c.gradient_type = attributes.fp8_gradients
@@ -169,15 +175,15 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
     c.total_kv_tokens = folded_batch * c.kv_seq_len;
     // A bound on the documents' lengths below the rows' sizes the kernels' grid to the
     // documents rather than to the rows (Python guarantees every document fits).
-    if (attributes.max_document_q > c.q_seq_len || attributes.max_document_kv > c.kv_seq_len ||
-        attributes.max_document_q < 0 || attributes.max_document_kv < 0) {
+    const int64_t bound_q = attributes.max_document_length_q;
+    const int64_t bound_kv = attributes.max_document_length_kv;
+    if (bound_q > c.q_seq_len || bound_kv > c.kv_seq_len || bound_q < 0 || bound_kv < 0) {
       return Failure{InvalidArgument("document length bounds " +
-                                     std::to_string(attributes.max_document_q) + ", " +
-                                     std::to_string(attributes.max_document_kv) +
+                                     std::to_string(bound_q) + ", " + std::to_string(bound_kv) +
                                      " exceed the rows' lengths")};
     }
-    if (attributes.max_document_q > 0) c.q_seq_len = attributes.max_document_q;
-    if (attributes.max_document_kv > 0) c.kv_seq_len = attributes.max_document_kv;
+    if (bound_q > 0) c.q_seq_len = bound_q;
+    if (bound_kv > 0) c.kv_seq_len = bound_kv;
   } else {
     c.batch = folded_batch;
   }
@@ -210,7 +216,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
                                      OptionalInputs optional, const CallAttributes& attributes) {
   CallPlan plan;
   plan.optional = std::move(optional);
-  if (!attributes.has_lengths || attributes.ragged || attributes.has_bias ||
+  if (!attributes.padding || attributes.ragged || attributes.has_bias ||
       attributes.dropout > 0) {
     return Failure{InvalidArgument("a paged call takes lengths and a page table, and no bias, "
                                    "dropout or ragged layout")};
@@ -253,7 +259,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
   }
   c.scale = attributes.scale;
   c.soft_cap = attributes.soft_cap;
-  c.window_left = attributes.window_left;
+  c.window_left = CudnnLeftBound(attributes.window_left);
   c.window_right = attributes.window_right;
   c.bottom_right = attributes.bottom_right;
   c.padding = true;

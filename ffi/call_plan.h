@@ -38,7 +38,7 @@ template <typename Get>
 ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
                                                 const CallAttributes& attributes) {
   bool has_dropout = attributes.dropout > 0;
-  size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.has_lengths ? 2 : 0) +
+  size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.padding ? 2 : 0) +
                     (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
                     (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
                     (attributes.zero_tails ? 1 : 0) + (attributes.fp8_gradients ? 1 : 0);
@@ -55,7 +55,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
     return ffi::Error::Success();
   };
   if (attributes.has_bias) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.bias));
-  if (attributes.has_lengths) {
+  if (attributes.padding) {
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_lengths));
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_lengths));
   }

@@ -102,16 +102,16 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     return varying_like(results[:len(results) - (workspace > 0)], operands)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None,
-                 fp8_scales=None):
-    """cuDNN forward: (output [batch..., T, N, Hv], stats float32 [batch..., N, T], or
+def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
+                 poison_rows=None, fp8_scales=None):
+    """cuDNN forward: (output [batch..., T, N, Hv], lse float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
     inputs: the config's inputs by name (kernel_config.INPUTS); query, key, value in the
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
-    per document, offsets) from jax_sdpa.packing.ragged_operands; max_document: (queries, keys)
-    no document is longer than (0: the rows' lengths); poison_rows: None, or bool [batch...]:
-    rows whose first output token comes back NaN; fp8_scales: None, or an FP8 call's float32
+    per document, offsets) from jax_sdpa.packing.ragged_operands; max_document_length:
+    (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
+    bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an FP8 call's float32
     scale rows (e4m3 query, key and value; the output comes back e4m3 too, and the amaxes as a
     third result).
     """
@@ -128,7 +128,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
     operands = (query, key, value,
                 *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document=max_document,
+                                       max_document_length=max_document_length,
                                        poison_rows=poison_rows is not None)
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
@@ -136,8 +136,8 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), pois
                                 "broadcast_all", key.shape[-3])
 
 
-def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
-                  max_document=(0, 0), poison_rows=None, fp8_scales=None):
+def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
+                  max_document_length=(0, 0), poison_rows=None, fp8_scales=None):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
     as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
     in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow."""
@@ -151,10 +151,10 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
     result_types += _fp8_amaxes("backward", fp8_scales)
     if fp8_scales is None:
         d_output = d_output.astype(output.dtype)
-    operands = (query, key, value, output, stats, d_output,
+    operands = (query, key, value, output, lse, d_output,
                 *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
     attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document=max_document,
+                                       max_document_length=max_document_length,
                                        poison_rows=poison_rows is not None)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", key.shape[-3])
@@ -163,7 +163,7 @@ def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
 
 
 def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, page_table, config):
-    """cuDNN forward over a paged K/V cache: (output [B, T, N, Hv], stats float32 [B, N, T]).
+    """cuDNN forward over a paged K/V cache: (output [B, T, N, Hv], lse float32 [B, N, T]).
 
     key_cache [P, page_size, K, H], value_cache [P, page_size, K, Hv]: the page pools;
     page_table int32 [B, max_pages]; q_lengths and kv_lengths int32 [B] (cuDNN's padding

@@ -173,32 +173,32 @@ def _attention(config, query, key, value, lengths, params):
 def _forward(config, query, key, value, lengths, params):
     inputs = _inputs(query, key, value, lengths)
     if config.implementation == "cudnn":
-        out8, stats, amaxes = _ffi.sdpa_forward(
+        out8, lse, amaxes = _ffi.sdpa_forward(
             inputs, config, fp8_scales=_factors(params, FORWARD_FACTORS))
         amax_s, amax_o = amaxes[0, 0], amaxes[1, 0]
     else:
         q, k, v = (_dequantized(x, params[n]) for x, n in
                    ((query, "descale_q"), (key, "descale_k"), (value, "descale_v")))
-        out, stats, amax_s = fp8_reference.forward_core(config, inputs, q, k, v,
+        out, lse, amax_s = fp8_reference.forward_core(config, inputs, q, k, v,
                                                         params["scale_s"].reshape(()))
         amax_o, out8 = scaling.amax(out), _quantized(out, params["scale_o"])
     result = (out8, _scalar(amax_s), _scalar(amax_o))
-    return result, (query, key, value, lengths, params, out8, stats)
+    return result, (query, key, value, lengths, params, out8, lse)
 
 
 def _backward(config, residuals, cotangents):
-    query, key, value, lengths, params, out8, stats = residuals
+    query, key, value, lengths, params, out8, lse = residuals
     d_out = cotangents[0].astype(_E4M3)
     inputs = _inputs(query, key, value, lengths)
     if config.implementation == "cudnn":
         dq, dk, dv, _, amaxes = _ffi.sdpa_backward(
-            inputs, out8, stats, d_out, config, fp8_scales=_factors(params, BACKWARD_FACTORS))
+            inputs, out8, lse, d_out, config, fp8_scales=_factors(params, BACKWARD_FACTORS))
         amax = dict(zip(AMAXES, amaxes[:, 0]))
     else:
         q, k, v, o, d_o = (_dequantized(x, params[n]) for x, n in
                            ((query, "descale_q"), (key, "descale_k"), (value, "descale_v"),
                             (out8, "descale_o"), (d_out, "descale_dO")))
-        grads = fp8_reference.backward_core(config, inputs, q, k, v, o, stats, d_o,
+        grads = fp8_reference.backward_core(config, inputs, q, k, v, o, lse, d_o,
                                             params["scale_dP"].reshape(()), "e4m3",
                                             params["scale_s"].reshape(()))
         amax = dict(zip(AMAXES, [scaling.amax(g) for g in grads[:3]] + [grads[3]]))

@@ -36,12 +36,12 @@ def _forward_factors(scales):
 def forward(config, inputs):
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     scales = scaling.forward_scales(query, key, value)
-    out8, stats = _ffi.sdpa_forward(_quantized(inputs, scales), config,
+    out8, lse = _ffi.sdpa_forward(_quantized(inputs, scales), config,
                                     fp8_scales=scale_rows(_forward_factors(scales)))[:2]
-    return scaling.dequantize(out8, scales.o, query.dtype), stats
+    return scaling.dequantize(out8, scales.o, query.dtype), lse
 
 
-def backward(config, inputs, output, stats, d_output):
+def backward(config, inputs, output, lse, d_output):
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     fmt = config.fp8
     forward_scales = scaling.forward_scales(query, key, value)
@@ -53,7 +53,7 @@ def backward(config, inputs, output, stats, d_output):
         1 / forward_scales.o, 1 / back.d_o, 1 / back.d_s, back.dq, back.dk, back.dv, back.d_s]
     dq, dk, dv, _, _ = _ffi.sdpa_backward(
         _quantized(inputs, forward_scales), scaling.quantize(output, forward_scales.o, "e4m3"),
-        stats, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=scale_rows(factors))
+        lse, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=scale_rows(factors))
     return (scaling.dequantize(dq, back.dq, query.dtype),
             scaling.dequantize(dk, back.dk, key.dtype),
             scaling.dequantize(dv, back.dv, value.dtype), None)

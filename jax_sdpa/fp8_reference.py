@@ -105,16 +105,16 @@ def _rounded_inputs(inputs):
 
 
 def forward(config, inputs):
-    """fp8=True: (output [B, T, N, Hv] in the query's dtype, stats float32 [B, N, T])."""
+    """fp8=True: (output [B, T, N, Hv] in the query's dtype, lse float32 [B, N, T])."""
     q, k, v, scales = _rounded_inputs(inputs)
     out, lse, _ = forward_core(config, inputs, q, k, v)
     out = scaling.round_trip(out, scales.o, "e4m3")
     return out.astype(inputs["query"].dtype), lse
 
 
-def backward(config, inputs, output, stats, d_output):
+def backward(config, inputs, output, lse, d_output):
     """fp8=True: (dq, dk, dv, None) in the inputs' dtypes, from the forward's output and
-    stats."""
+    lse."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     fmt = config.fp8
     q, k, v, forward_scales = _rounded_inputs(inputs)
@@ -122,7 +122,7 @@ def backward(config, inputs, output, stats, d_output):
     back = scaling.backward_scales(query, key, value, d_output, config.scale, fmt)
     out8 = scaling.round_trip(output, forward_scales.o, "e4m3")
     d_o = scaling.round_trip(d_output, back.d_o, fmt)
-    dq, dk, dv, _ = backward_core(config, inputs, q, k, v, out8, stats, d_o, back.d_s, fmt)
+    dq, dk, dv, _ = backward_core(config, inputs, q, k, v, out8, lse, d_o, back.d_s, fmt)
     return tuple(scaling.round_trip(g, s, fmt).astype(x.dtype)
                  for g, s, x in ((dq, back.dq, query), (dk, back.dk, key), (dv, back.dv, value))
                  ) + (None,)

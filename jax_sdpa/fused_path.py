@@ -100,7 +100,7 @@ def _band_rows_seeing_nothing(call: AttentionCall):
     return (high <= low)[:, None, :]
 
 
-def _uniform_rows(call: AttentionCall, mask, output, lse):
+def _average_rows_seeing_nothing(call: AttentionCall, mask, output, lse):
     """Rows that see no key get the plain average of all values, as the reference path (and
     jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
     does not swamp the scores, and rows emptied by padding are left to the kernel. The where
@@ -128,5 +128,5 @@ def run(call: AttentionCall, plan: CudnnPlan):
     mask = _dense_mask(call, plan.dense_segments)
     output, lse = kernel_vjp.attention(plan.config, _inputs(call, plan, mask))
     if not plan.config.segments and _may_hide_whole_rows(call, mask):
-        output, lse = _uniform_rows(call, mask, output, lse)
+        output, lse = _average_rows_seeing_nothing(call, mask, output, lse)
     return output, lse

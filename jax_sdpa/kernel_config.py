@@ -27,9 +27,10 @@ DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs (and the workspace) before t
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     scale: float
-    # The causal/window band in cuDNN's terms: query i sees keys j with i - window_left < j
-    # (exclusive) and j <= i + window_right, measured from the top-left diagonal, or from the
-    # bottom-right one with bottom_right; -1: no bound. Causal is window_right = 0.
+    # The causal/window band: query i sees keys j with i - window_left <= j <= i + window_right
+    # (local_window_size's inclusive bounds), measured from the top-left diagonal, or from the
+    # bottom-right one with bottom_right; -1: no bound. Causal is window_right = 0. (cuDNN's
+    # left bound is exclusive: the extension alone translates, ffi/call_plan.cc.)
     window_left: int = -1
     window_right: int = -1
     bottom_right: bool = False
@@ -56,7 +57,7 @@ class KernelConfig:
     # (queries, keys): the caller's stated bound on a document's tokens (its documents are
     # contiguous runs, at most max_segments per row): one ragged plan, no check on the device,
     # rows breaking it poisoned with NaN; () when not stated (kernels.py).
-    document_bound: tuple[int, ...] = ()
+    max_document_length: tuple[int, ...] = ()
     # Scaled scores become cap * tanh(scores / cap) before the bias and masks; 0: none.
     logits_soft_cap: float = 0.0
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
@@ -116,12 +117,13 @@ class KernelConfig:
             return "tails" if self.segments == "self" and self.same_lengths else "all"
         return "tails" if self.window_left < 0 and not self.bottom_right else "all"
 
-    def ffi_attributes(self, *, ragged: bool = False, max_document=(0, 0),
+    def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
                        paged: bool = False, poison_rows: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them),
         all but command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call.
-        ragged: the call runs packed documents (lengths per document, offsets); max_document:
-        (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
+        ragged: the call runs packed documents (lengths per document, offsets);
+        max_document_length: (queries, keys) no document is longer than, 0 for the rows'
+        lengths; paged: keys and
         values are page pools read through a page table (forward only); poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN."""
         zero_fill = self.zero_fill(ragged=ragged, paged=paged)
@@ -129,9 +131,9 @@ class KernelConfig:
                     window_left=np.int64(self.window_left),
                     window_right=np.int64(self.window_right),
                     bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
-                    has_lengths=bool(self.has_lengths or ragged), ragged=bool(ragged),
-                    max_document_q=np.int64(max_document[0]),
-                    max_document_kv=np.int64(max_document[1]), paged=bool(paged),
+                    padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
+                    max_document_length_q=np.int64(max_document_length[0]),
+                    max_document_length_kv=np.int64(max_document_length[1]), paged=bool(paged),
                     bias_grad=bool(self.has_bias and self.bias_grad),
                     deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
                     fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),

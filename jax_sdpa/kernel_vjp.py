@@ -1,6 +1,6 @@
 """The kernels' forward and backward joined by jax.custom_vjp.
 
-The forward's float32 stats (log-sum-exp per query row and head) are the residual the backward
+The forward's float32 lse (log-sum-exp per query row and head) is the residual the backward
 consumes, so the backward never recomputes the softmax normaliser. With dropout, the forward and
 backward get the same Philox seed, so the backward drops exactly what the forward dropped.
 """
@@ -29,8 +29,8 @@ def attention(config: KernelConfig, inputs: dict):
 
 
 def _forward(config, inputs):
-    output, stats = sharding_rules.forward(config, inputs)
-    return (output, stats), (inputs, output, stats)
+    output, lse = sharding_rules.forward(config, inputs)
+    return (output, lse), (inputs, output, lse)
 
 
 def _integer_zero(x):
@@ -38,15 +38,15 @@ def _integer_zero(x):
 
 
 def _backward(config, residuals, cotangents):
-    inputs, output, stats = residuals
+    inputs, output, lse = residuals
     # The log-sum-exp is returned under stop_gradient, as jax.nn does: its cotangent is dropped.
     d_output, _ = cotangents
-    dq, dk, dv, dbias = sharding_rules.backward(config, inputs, output, stats, d_output)
+    dq, dk, dv, dbias = sharding_rules.backward(config, inputs, output, lse, d_output)
     if config.has_bias and dbias is None:
         dbias = jnp.zeros_like(inputs["bias"])  # a mask's bias: nothing upstream needs it
     grads = dict(query=dq, key=dk, value=dv, bias=dbias)
     if config.has_sinks:  # exact from the sink attention's output and lse (jax_sdpa/sinks.py)
-        grads["sinks"] = sinks.gradient(output, stats, d_output, inputs["sinks"])
+        grads["sinks"] = sinks.gradient(output, lse, d_output, inputs["sinks"])
     return ({name: grads[name] if name in _DIFFERENTIABLE else _integer_zero(x)
              for name, x in inputs.items()},)
 

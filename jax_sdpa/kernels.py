@@ -1,14 +1,14 @@
 """The kernel layer: one forward and one backward per implementation ("cudnn": our FFI calls;
 "xla": the reference behind the same calling convention), chosen by the KernelConfig.
 
-    forward(config, inputs)  -> (output [B, T, N, Hv], stats float32 [B, N, T])
-    backward(config, inputs, output, stats, d_output) -> (dq, dk, dv, dbias or None)
+    forward(config, inputs)  -> (output [B, T, N, Hv], lse float32 [B, N, T])
+    backward(config, inputs, output, lse, d_output) -> (dq, dk, dv, dbias or None)
 
 inputs: the config's arrays by name (kernel_config.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
 device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
 table can express the ids, else the exact blockwise reference (no [T, S] array anywhere); or,
-when the caller states the documents' bound, one ragged plan with no switch.
+when the caller states the documents' bound, one ragged grid with no switch.
 """
 
 from __future__ import annotations
@@ -29,44 +29,44 @@ def forward(config, inputs):
     if config.fp8:
         return fp8_kernels.forward(config, plain)
     if config.segments:
-        output, stats = _packed_forward(config, plain)
+        output, lse = _packed_forward(config, plain)
     else:
-        output, stats = _ffi.sdpa_forward(plain, config)
+        output, lse = _ffi.sdpa_forward(plain, config)
     if config.logits_soft_cap and config.has_lengths:
-        output, stats = _clear_rows_seeing_nothing(output, stats)
+        output, lse = _clear_rows_seeing_nothing(output, lse)
     if config.has_sinks:
-        output, stats = sinks.apply(output, stats, inputs["sinks"])
-    return output, stats
+        output, lse = sinks.apply(output, lse, inputs["sinks"])
+    return output, lse
 
 
-def backward(config, inputs, output, stats, d_output):
-    """With sinks, output and stats are the sink attention's (jax_sdpa/sinks.py): given those,
+def backward(config, inputs, output, lse, d_output):
+    """With sinks, output and lse are the sink attention's (jax_sdpa/sinks.py): given those,
     cuDNN's backward is the sink attention's; a reference backward recomputes with the sinks."""
     if config.implementation == "xla":
-        return reference_kernel.backward(config, inputs, output, stats, d_output)
+        return reference_kernel.backward(config, inputs, output, lse, d_output)
     if config.backward_kernel == "xla":  # a cuDNN forward whose backward cuDNN cannot run
         # (planning sends calls with dropout wholly to the reference: a recomputed forward
         # would not drop what cuDNN dropped)
         forward_fn = (reference_kernel.blockwise_forward if config.segments else
                       reference_kernel.forward)
-        return reference_kernel.backward(config, inputs, output, stats, d_output, forward_fn)
+        return reference_kernel.backward(config, inputs, output, lse, d_output, forward_fn)
     if config.fp8:
-        return fp8_kernels.backward(config, inputs, output, stats, d_output)
+        return fp8_kernels.backward(config, inputs, output, lse, d_output)
     if config.segments:  # (its exact fallback recomputes the forward, with the sinks)
         if config.has_sinks and _may_see_nothing(config):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the
             # packed backward would grade: nothing flows back through them.
-            d_output = jnp.where(sinks.rows_kept(stats, inputs["sinks"])[..., None], d_output, 0)
-        return _packed_backward(config, inputs, output, stats, d_output)
-    return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, stats, d_output, config))
+            d_output = jnp.where(sinks.rows_kept(lse, inputs["sinks"])[..., None], d_output, 0)
+        return _packed_backward(config, inputs, output, lse, d_output)
+    return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, lse, d_output, config))
 
 
-def _clear_rows_seeing_nothing(output, stats):
+def _clear_rows_seeing_nothing(output, lse):
     """With soft-capping, cuDNN's padding is a mask inside the score modifier, not its own
     padding mode: rows whose every score is masked (past a query length, or a key length of 0)
     come back non-finite. They become zeros with the reference's large negative lse, which
     also keeps the backward's exp(scores - lse) at 0 there."""
-    return fill_empty_rows(output, stats, ~jnp.isfinite(stats), 0)
+    return fill_empty_rows(output, lse, ~jnp.isfinite(lse), 0)
 
 
 def _without_sinks(inputs):
@@ -98,7 +98,7 @@ def _may_see_nothing(config) -> bool:
     return config.segments == "cross" or (config.has_lengths and not config.same_lengths)
 
 
-def _uniform_rows(config, inputs, docs):
+def _rows_to_average(config, inputs, docs):
     """bool [B, T]: rows that see no key but must average all values, as the reference (and
     jax.nn) do: within their query length, in a batch entry with at least one key."""
     rows = packing.rows_seeing_nothing(docs, config.window_left, config.window_right,
@@ -111,14 +111,14 @@ def _uniform_rows(config, inputs, docs):
 # The ragged kernels' grid covers every cuDNN batch entry up to the longest a document may be:
 # empty entries and tiles past a document's end still cost a launch slot each (M = 64 entries
 # per row against 8 cost 8% at 8 documents of 1024). Calls pick, on the device, the cheapest
-# plan their documents fit: entries (a fraction of every slot, documents compacted to the front)
+# grid their documents fit: entries (a fraction of every slot, documents compacted to the front)
 # times a length bound (a fraction of the row). One graph each, built when first used.
 _LENGTH_FRACTIONS = (8, 4, 2, 1)
 _SHORTEST_BOUND = 256
 _ENTRY_FRACTIONS = (8, 1)  # of batch * max_segments, at least `batch`
 
 
-def _plans(batch, max_segments, q_seq_len, kv_seq_len):
+def _grids(batch, max_segments, q_seq_len, kv_seq_len):
     """[(entries, (queries, keys))], cheapest grid first; the last covers every case."""
     bounds = []
     for fraction in _LENGTH_FRACTIONS:
@@ -126,65 +126,65 @@ def _plans(batch, max_segments, q_seq_len, kv_seq_len):
         if (fraction == 1 or min(bound) >= _SHORTEST_BOUND) and bound not in bounds:
             bounds.append(bound)
     entries = sorted({max(batch, batch * max_segments // f) for f in _ENTRY_FRACTIONS})
-    plans = [(n, bound) for n in entries for bound in bounds]
-    return sorted(plans, key=lambda plan: (plan[0] * plan[1][0], plan[0]))
+    grids = [(n, bound) for n in entries for bound in bounds]
+    return sorted(grids, key=lambda grid: (grid[0] * grid[1][0], grid[0]))
 
 
-def _branch(docs, plans):
-    """Which lax.switch branch runs: the first plan every document fits, or len(plans) (the
+def _branch(docs, grids):
+    """Which lax.switch branch runs: the first grid every document fits, or len(grids) (the
     exact fallback) when the table cannot express the ids."""
     count = packing.count_documents(docs)
     longest_q, longest_kv = jnp.max(docs.q_len), jnp.max(docs.kv_len)
     fits = jnp.stack([(count <= n) & (longest_q <= q) & (longest_kv <= kv)
-                      for n, (q, kv) in plans])
-    return jnp.where(docs.ok, jnp.argmax(fits), len(plans))
+                      for n, (q, kv) in grids])
+    return jnp.where(docs.ok, jnp.argmax(fits), len(grids))
 
 
-def _packed_plans(inputs, config):
+def _packed_grids(inputs, config):
     query, key = inputs["query"], inputs["key"]
-    return _plans(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
+    return _grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
-def _ragged_forward(config, docs, plan, inputs, poison_rows=None):
-    entries, bound = plan
-    output, stats = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
-                                      max_document=bound, poison_rows=poison_rows)
-    stats = jnp.swapaxes(stats, 1, 2)  # token-major -> [B, N, T]
+def _ragged_forward(config, docs, grid, inputs, poison_rows=None):
+    entries, bound = grid
+    output, lse = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
+                                      max_document_length=bound, poison_rows=poison_rows)
+    lse = jnp.swapaxes(lse, 1, 2)  # token-major -> [B, N, T]
     if _may_see_nothing(config):
-        uniform = _uniform_rows(config, inputs, docs)
+        uniform = _rows_to_average(config, inputs, docs)
         if poison_rows is not None:  # a poisoned row stays NaN
             uniform &= ~poison_rows[:, None]
         average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
-        output, stats = fill_empty_rows(output, stats, uniform[:, None, :], average)
-    return output, stats
+        output, lse = fill_empty_rows(output, lse, uniform[:, None, :], average)
+    return output, lse
 
 
-def _ragged_backward(config, docs, plan, inputs, output, stats, d_output, poison_rows=None):
-    entries, bound = plan
-    uniform = _uniform_rows(config, inputs, docs) if _may_see_nothing(config) else None
+def _ragged_backward(config, docs, grid, inputs, output, lse, d_output, poison_rows=None):
+    entries, bound = grid
+    uniform = _rows_to_average(config, inputs, docs) if _may_see_nothing(config) else None
     cleared = d_output
     if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
         cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
-    dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(stats, 1, 2), cleared,
+    dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(lse, 1, 2), cleared,
                                        config, _ragged_operands(inputs, docs, entries),
-                                       max_document=bound, poison_rows=poison_rows)
+                                       max_document_length=bound, poison_rows=poison_rows)
     if uniform is not None:
         extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
         dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
     return dq, dk, dv, None
 
 
-# A caller who states the documents' bound (max_document_length) gets one ragged plan and no
+# A caller who states the documents' bound (max_document_length) gets one ragged grid and no
 # lax.switch: the switch's index is copied to the host, which waits for the GPU's queue to
 # drain, and the GPU idles while the branch launches.
-def _stated_plan(inputs, config):
-    return inputs["query"].shape[0] * config.max_segments, config.document_bound
+def _stated_grid(inputs, config):
+    return inputs["query"].shape[0] * config.max_segments, config.max_document_length
 
 
 def _stated_documents(config, docs):
     """(docs with lengths cut to the stated bound, bool [B]: rows that break the statement:
     ids the table cannot express, or a document longer than the bound)."""
-    bound_q, bound_kv = config.document_bound
+    bound_q, bound_kv = config.max_document_length
     broken = (~docs.row_ok | jnp.any(docs.q_len > bound_q, axis=1) |
               jnp.any(docs.kv_len > bound_kv, axis=1))
     return docs._replace(q_len=jnp.minimum(docs.q_len, bound_q),
@@ -193,34 +193,34 @@ def _stated_documents(config, docs):
 
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
-    if config.document_bound:
+    if config.max_document_length:
         # A row that broke the statement comes back NaN at its first token (the handler
         # writes it: XLA cannot update a slice of a custom call's result in place).
         docs, broken = _stated_documents(config, docs)
-        output, stats = _ragged_forward(config, docs, _stated_plan(inputs, config), inputs,
+        output, lse = _ragged_forward(config, docs, _stated_grid(inputs, config), inputs,
                                         poison_rows=broken)
-        return output, jnp.where(broken[:, None, None], jnp.nan, stats)
-    plans = _packed_plans(inputs, config)
+        return output, jnp.where(broken[:, None, None], jnp.nan, lse)
+    grids = _packed_grids(inputs, config)
 
     def exact(inputs):
         return reference_kernel.blockwise_forward(config, inputs)
-    branches = [functools.partial(_ragged_forward, config, docs, plan) for plan in plans]
-    return jax.lax.switch(_branch(docs, plans), branches + [exact], inputs)
+    branches = [functools.partial(_ragged_forward, config, docs, grid) for grid in grids]
+    return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs)
 
 
-def _packed_backward(config, inputs, output, stats, d_output):
+def _packed_backward(config, inputs, output, lse, d_output):
     docs = _documents(config, inputs)
-    if config.document_bound:
+    if config.max_document_length:
         docs, broken = _stated_documents(config, docs)
-        return _ragged_backward(config, docs, _stated_plan(inputs, config), inputs, output,
-                                stats, d_output, poison_rows=broken)
-    plans = _packed_plans(inputs, config)
+        return _ragged_backward(config, docs, _stated_grid(inputs, config), inputs, output,
+                                lse, d_output, poison_rows=broken)
+    grids = _packed_grids(inputs, config)
 
-    def exact(inputs, output, stats, d_output):
-        return reference_kernel.backward(config, inputs, output, stats, d_output,
+    def exact(inputs, output, lse, d_output):
+        return reference_kernel.backward(config, inputs, output, lse, d_output,
                                          reference_kernel.blockwise_forward)
-    branches = [functools.partial(_ragged_backward, config, docs, plan) for plan in plans]
-    return jax.lax.switch(_branch(docs, plans), branches + [exact], inputs, output, stats,
+    branches = [functools.partial(_ragged_backward, config, docs, grid) for grid in grids]
+    return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs, output, lse,
                           d_output)
 
 

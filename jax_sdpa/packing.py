@@ -109,15 +109,14 @@ def documents(q_ids, kv_ids, *, max_segments, q_lengths=None, kv_lengths=None,
 
 def rows_seeing_nothing(docs: Documents, window_left=-1, window_right=-1, q_lengths=None):
     """bool [B, T]: query tokens inside a document (and before their row's query length) whose
-    band of keys within the document is empty. The band is cuDNN's (window_left exclusive, -1:
-    none), measured from the document's first token, keys aligned with queries."""
+    band of keys within the document is empty. The band is KernelConfig's (inclusive bounds,
+    -1: none), measured from the document's first token, keys aligned with queries."""
     positions = jnp.arange(docs.q_slot.shape[1], dtype=jnp.int32)[None, :]
     slot = jnp.maximum(docs.q_slot, 0)
     take = lambda x: jnp.take_along_axis(x, slot, axis=1)  # noqa: E731
     q_start, kv_start, kv_len = take(docs.q_start), take(docs.kv_start), take(docs.kv_len)
     relative = positions - q_start
-    low = kv_start if window_left < 0 else jnp.maximum(kv_start,
-                                                       kv_start + relative - window_left + 1)
+    low = kv_start if window_left < 0 else jnp.maximum(kv_start, kv_start + relative - window_left)
     high = kv_start + kv_len
     if window_right >= 0:
         high = jnp.minimum(high, kv_start + relative + window_right + 1)
@@ -133,7 +132,7 @@ def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv
 
     The documents of every row that have queries are compacted, in order, into the first of
     `entries` cuDNN batch entries (default: every slot, B * M); the rest have length 0. Each
-    entry's element offsets into q, k, v, o and the token-major stats; rows padded to a
+    entry's element offsets into q, k, v, o and the token-major lse; rows padded to a
     multiple of 4 entries (16-byte aligned pointers per row). The caller makes sure the
     documents fit (count_documents(docs) <= entries): fewer entries mean fewer empty tiles in
     cuDNN's grid."""

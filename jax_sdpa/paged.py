@@ -103,21 +103,21 @@ def _cudnn(config, query, key_cache, value_cache, page_table, kv_lengths, sinks,
     # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
     # of the pool (the reference clamps the same way).
     page_table = jnp.clip(page_table, 0, key_cache.shape[0] - 1)
-    output, stats = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths,
+    output, lse = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths,
                                             kv_lengths, page_table, config)
     # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
     # there is not the answer, and their lse must be the empty row's for the sinks.
-    stats = jnp.where(has_rows[:, None, :], stats, large_negative())
+    lse = jnp.where(has_rows[:, None, :], lse, large_negative())
     if sinks is not None:
-        output, _ = sink_logits.apply(output, stats, sinks)
+        output, _ = sink_logits.apply(output, lse, sinks)
     return output
 
 
 def _cudnn_config(scale, window, q_seq_len, has_sinks):
     """The band: causal bottom-right (query i at kv_lengths[b] - T + i), a window's left bound
-    (cuDNN's is exclusive) from the same diagonal. One query with no window needs no band:
-    the padding mask alone keeps it to its sequence's keys."""
-    left = -1 if window is None else window[0] + 1
+    from the same diagonal. One query with no window needs no band: the padding mask alone
+    keeps it to its sequence's keys."""
+    left = -1 if window is None else window[0]
     banded = q_seq_len > 1 or window is not None
     return KernelConfig(scale=scale, window_left=left, window_right=0 if banded else -1,
                         bottom_right=banded, has_lengths=True, has_sinks=has_sinks,

@@ -146,7 +146,7 @@ def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap
 
 @dataclasses.dataclass(frozen=True)
 class Band:
-    """The causal/window band in cuDNN's terms (see KernelConfig)."""
+    """The causal/window band as KernelConfig holds it (inclusive bounds, -1: none)."""
 
     left: int = -1
     right: int = -1
@@ -171,11 +171,11 @@ def diagonal_band(call: AttentionCall) -> tuple[Band | None, str | None]:
     shifted_right = None if right is None else right + offset
     if (shifted_left is None or shifted_left >= 0) and (shifted_right is None or
                                                           shifted_right >= 0):
-        band = Band(-1 if left is None else shifted_left + 1,
+        band = Band(-1 if left is None else shifted_left,
                     -1 if right is None else shifted_right)
     elif (call.bias is None and call.mask is None and call.dropout_rate == 0.0 and
           not call.has_lengths and call.query_segment_ids is None and q_seq_len <= kv_seq_len):
-        band = Band(-1 if left is None else left + 1, -1 if right is None else right, True)
+        band = Band(-1 if left is None else left, -1 if right is None else right, True)
     else:
         return None, ("causal_alignment='bottom_right' with these sequence lengths "
                       f"(T={q_seq_len}, S={kv_seq_len}) and window needs a band cuDNN does not "
@@ -336,7 +336,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         backward_implementation=backward_kernel, has_lengths=call.has_lengths,
         same_lengths=call.same_lengths,
         segments=segments, max_segments=call.max_segments if segments else 0,
-        document_bound=(call.max_document_length or ()) if segments else (),
+        max_document_length=(call.max_document_length or ()) if segments else (),
         logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
         fp8=call.fp8, command_buffer=command_buffers.command_buffers(), debug=debug.flags(),
         **_bias_layout(call, dense_segments))

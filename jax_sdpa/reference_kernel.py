@@ -1,5 +1,5 @@
 """The reference path behind the kernels' calling convention: a KernelConfig and its inputs by
-name (its band in cuDNN's terms, a bias that already holds the mask, stats as the forward's
+name (its band as KernelConfig holds it, a bias that already holds the mask, lse as the forward's
 residual).
 
 It serves three purposes: the "xla" implementation of the kernel layer, so the sharding rules
@@ -27,8 +27,7 @@ _BLOCK_ELEMENTS = 1 << 24
 def _window(config):
     if config.window_left < 0 and config.window_right < 0:
         return None
-    # cuDNN's left bound is exclusive (keys j > i - left); the reference's is inclusive.
-    left = config.window_left - 1 if config.window_left >= 0 else _UNBOUNDED
+    left = config.window_left if config.window_left >= 0 else _UNBOUNDED
     right = config.window_right if config.window_right >= 0 else _UNBOUNDED
     return left, right
 
@@ -58,7 +57,7 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
 
 
 def forward(config, inputs):
-    """(output [B, T, N, Hv], stats float32 [B, N, T]), as the cuDNN kernel's forward."""
+    """(output [B, T, N, Hv], lse float32 [B, N, T]), as the cuDNN kernel's forward."""
     if config.fp8:
         return fp8_reference.forward(config, inputs)
     return _attend(config, inputs, inputs["query"], q_segment_ids=inputs.get("q_segment_ids"),
@@ -101,12 +100,12 @@ def blockwise_forward(config, inputs, block=None):
     return out[:, :q_seq_len], lse[..., :q_seq_len]
 
 
-def backward(config, inputs, output, stats, d_output, forward_fn=forward):
+def backward(config, inputs, output, lse, d_output, forward_fn=forward):
     """(dq, dk, dv, dbias or None), as the cuDNN kernel's backward: recomputes the forward (FP8:
-    its own backward, from the forward's output and stats)."""
+    its own backward, from the forward's output and lse)."""
     if config.fp8:
-        return fp8_reference.backward(config, inputs, output, stats, d_output)
-    del output, stats
+        return fp8_reference.backward(config, inputs, output, lse, d_output)
+    del output, lse
     differentiable = {name: inputs[name] for name in ("query", "key", "value")}
     if inputs.get("bias") is not None:
         differentiable["bias"] = inputs["bias"]

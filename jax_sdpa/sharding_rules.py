@@ -35,7 +35,7 @@ def _factors(config: KernelConfig, groups: int):
     bias = (f"{'b' if config.bias_batch_full else 'bias_b'} "
             f"{heads if config.bias_heads_full else 'bias_n'} t s")
     return {"query": f"b t {heads} h", "key": "b s k h", "value": "b s k hv",
-            "output": f"b t {heads} hv", "stats": f"b {heads} t", "d_output": f"b t {heads} hv",
+            "output": f"b t {heads} hv", "lse": f"b {heads} t", "d_output": f"b t {heads} hv",
             "dq": f"b t {heads} h", "dk": "b s k h", "dv": "b s k hv", "bias": bias,
             "dbias": bias, "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "b t",
             "kv_segment_ids": "b s", "dropout_seed": "seed", "sinks": heads}
@@ -87,7 +87,7 @@ def _specs(config, batch_axes, head_axes):
     per_token = PartitionSpec(b, None, n, None)
     return {"query": per_token, "key": per_token, "value": per_token, "output": per_token,
             "d_output": per_token, "dq": per_token, "dk": per_token, "dv": per_token,
-            "stats": PartitionSpec(b, n, None), "bias": bias, "dbias": bias,
+            "lse": PartitionSpec(b, n, None), "bias": bias, "dbias": bias,
             "q_lengths": PartitionSpec(b), "kv_lengths": PartitionSpec(b),
             "q_segment_ids": PartitionSpec(b, None), "kv_segment_ids": PartitionSpec(b, None),
             "dropout_seed": PartitionSpec(None), "sinks": PartitionSpec(n)}
@@ -173,20 +173,20 @@ def _forward_call(config, groups):
 
     def kernel_fn(*arrays):
         return tuple(kernels.forward(config, dict(zip(inputs, arrays))))
-    return _partitioned(kernel_fn, config, groups, inputs, ["output", "stats"],
+    return _partitioned(kernel_fn, config, groups, inputs, ["output", "lse"],
                         reduce_dbias=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_call(config, groups):
-    inputs = list(config.input_names()) + ["output", "stats", "d_output"]
+    inputs = list(config.input_names()) + ["output", "lse", "d_output"]
     with_dbias = config.has_bias and config.bias_grad
     outputs = ["dq", "dk", "dv"] + (["dbias"] if with_dbias else [])
 
     def kernel_fn(*arrays):
         named = dict(zip(inputs, arrays))
-        output, stats, d_output = (named.pop(n) for n in ("output", "stats", "d_output"))
-        dq, dk, dv, dbias = kernels.backward(config, named, output, stats, d_output)
+        output, lse, d_output = (named.pop(n) for n in ("output", "lse", "d_output"))
+        dq, dk, dv, dbias = kernels.backward(config, named, output, lse, d_output)
         return (dq, dk, dv) + ((dbias,) if with_dbias else ())
     return _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias=True)
 
@@ -196,14 +196,14 @@ def _groups(inputs):
 
 
 def forward(config, inputs):
-    """The kernel's forward with sharding rules: (output, stats float32 [B, N, T])."""
+    """The kernel's forward with sharding rules: (output, lse float32 [B, N, T])."""
     call = _forward_call(config, _groups(inputs))
     return tuple(call(*(inputs[name] for name in config.input_names())))
 
 
-def backward(config, inputs, output, stats, d_output):
+def backward(config, inputs, output, lse, d_output):
     """The kernel's backward with sharding rules: (dq, dk, dv, dbias or None)."""
     call = _backward_call(config, _groups(inputs))
-    results = call(*(inputs[name] for name in config.input_names()), output, stats,
+    results = call(*(inputs[name] for name in config.input_names()), output, lse,
                    d_output.astype(output.dtype))
     return (*results[:3], results[3] if len(results) > 3 else None)

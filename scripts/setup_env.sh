@@ -52,7 +52,10 @@ echo "setup_env.sh: installing build requirements: ${build_requires[*]} ninja cm
 pip install "${other[@]}" ninja cmake || fail "the build requirements did not install (pip's messages above say why)"
 pip install --no-deps "${nvidia[@]}" || fail "the CUDA/cuDNN wheels did not install (pip's messages above say why)"
 echo "setup_env.sh: building the C++ extension and installing jax_sdpa[$extras] (about 2 minutes)"
+# Its own build folder: CMake caches JAX_SDPA_DEVTOOLS, which a later `pip install .` of the
+# product alone must not inherit.
 pip install --no-build-isolation -Ceditable.rebuild=false -Ccmake.define.JAX_SDPA_DEVTOOLS=ON \
+  -Cbuild-dir=build/dev-{wheel_tag} \
   -e ".[$extras]" "${gpu_packages[@]}" \
   || fail "building or installing jax_sdpa failed: the compiler's or pip's messages above say why"
 python -c "import jax_sdpa; print('jax_sdpa', jax_sdpa.__version__, 'with cuDNN', jax_sdpa.cudnn_version())"

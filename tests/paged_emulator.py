@@ -31,12 +31,12 @@ def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, pag
     if config.window_right >= 0:
         seen &= j <= i + shift + config.window_right
     if config.window_left >= 0:
-        seen &= j > i + shift - config.window_left
+        seen &= j >= i + shift - config.window_left
     scores = jnp.einsum("bqnh,bknh->bnqk", query.astype(jnp.float32), key,
                         precision=jax.lax.Precision.HIGHEST) * config.scale
     scores = jnp.where(seen[:, None], scores, -jnp.inf)
-    stats = jax.nn.logsumexp(scores, axis=-1)  # [B, N, T]; -inf where nothing is seen
-    weights = jnp.exp(scores - stats[..., None])  # NaN where nothing is seen
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, N, T]; -inf where nothing is seen
+    weights = jnp.exp(scores - lse[..., None])  # NaN where nothing is seen
     output = jnp.einsum("bnqk,bknh->bqnh", weights, value, precision=jax.lax.Precision.HIGHEST)
     output = jnp.where(outside, jnp.nan, output)
-    return output.astype(query.dtype), stats
+    return output.astype(query.dtype), lse

@@ -1,7 +1,7 @@
 """A pure-JAX stand-in for our ragged FFI calls, for testing the packed path on CPU.
 
 It reads the ragged operands exactly as cuDNN does (each document's element offsets into the
-flattened q/k/v/o/stats and its lengths; a causal band or window measured from the document's
+flattened q/k/v/o/lse and its lengths; a causal band or window measured from the document's
 first token) and leaves what cuDNN leaves: tokens of no document are zero when the call asks the
 handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Dense
 (non-ragged) calls go to the reference kernel. Any disagreement between the packed path's
@@ -24,10 +24,10 @@ def _token_documents(starts, lengths, total):
     return jnp.where(jnp.any(inside, axis=0), jnp.argmax(inside, axis=0), -1)
 
 
-def _ragged_attention(query, key, value, config, ragged_operands, max_document):
-    """(output [B, T, N, Hv] float32, stats [B, T, N], covered [B*T] bool)."""
+def _ragged_attention(query, key, value, config, ragged_operands, max_document_length):
+    """(output [B, T, N, Hv] float32, lse [B, T, N], covered [B*T] bool)."""
     q_lengths, kv_lengths, offsets = ragged_operands
-    bound_q, bound_kv = max_document  # cuDNN would read past a document longer than these
+    bound_q, bound_kv = max_document_length  # cuDNN would read past a document longer than these
     too_long = (jnp.max(q_lengths) > (bound_q or query.shape[1])) | (
         jnp.max(kv_lengths) > (bound_kv or key.shape[1]))
     batch, q_seq_len, q_heads, head_dim = query.shape
@@ -43,7 +43,7 @@ def _ragged_attention(query, key, value, config, ragged_operands, max_document):
     if config.window_right >= 0:
         visible &= kv_rel[None, :] <= q_rel[:, None] + config.window_right
     if config.window_left >= 0:
-        visible &= kv_rel[None, :] > q_rel[:, None] - config.window_left
+        visible &= kv_rel[None, :] >= q_rel[:, None] - config.window_left
     groups = q_heads // kv_heads
     q = query.reshape(batch * q_seq_len, q_heads, head_dim).astype(jnp.float32)
     k = jnp.repeat(key.reshape(batch * kv_seq_len, kv_heads, head_dim), groups, axis=1)
@@ -56,9 +56,9 @@ def _ragged_attention(query, key, value, config, ragged_operands, max_document):
     probs = jnp.where(any_visible, jax.nn.softmax(safe, axis=-1), 0.0)
     out = jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
-    stats = jnp.where(any_visible[0], jax.nn.logsumexp(safe, axis=-1).T, -1e30)
+    lse = jnp.where(any_visible[0], jax.nn.logsumexp(safe, axis=-1).T, -1e30)
     out = jnp.where(too_long, jnp.nan, out)  # a test fails if a bound was too small
-    return (out.reshape(batch, q_seq_len, q_heads, head_dim_v), stats.reshape(
+    return (out.reshape(batch, q_seq_len, q_heads, head_dim_v), lse.reshape(
         batch, q_seq_len, q_heads), q_doc >= 0, kv_doc >= 0)
 
 
@@ -86,31 +86,32 @@ def _poisoned(x, poison_rows):
                                     jnp.nan, x[:, 0]))
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document=(0, 0), poison_rows=None):
+def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
+                 poison_rows=None):
     if ragged_operands is None:
         return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    out, stats, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
-                                                 max_document)
+    out, lse, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
+                                                 max_document_length)
     out = _unwritten(out, q_covered, config, inputs, 0).astype(query.dtype)
-    # (the stats are zero-filled first whenever anything is)
+    # (the lse is zero-filled first whenever anything is)
     stats_fill = jnp.where(config.zero_fill(ragged=True) != "", 0.0, jnp.nan)
-    stats = jnp.where(q_covered.reshape(stats.shape[:2])[..., None], stats, stats_fill)
-    return _poisoned(out, poison_rows), stats
+    lse = jnp.where(q_covered.reshape(lse.shape[:2])[..., None], lse, stats_fill)
+    return _poisoned(out, poison_rows), lse
 
 
-def sdpa_backward(inputs, output, stats, d_output, config, ragged_operands=None,
-                  max_document=(0, 0), poison_rows=None):
+def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
+                  max_document_length=(0, 0), poison_rows=None):
     if ragged_operands is None:
-        return reference_kernel.backward(config, inputs, output, stats, d_output)
+        return reference_kernel.backward(config, inputs, output, lse, d_output)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
 
     def primal(query, key, value):
-        return _ragged_attention(query, key, value, config, ragged_operands, max_document)[0]
+        return _ragged_attention(query, key, value, config, ragged_operands, max_document_length)[0]
     _, vjp = jax.vjp(primal, *(x.astype(jnp.float32) for x in (query, key, value)))
     dq, dk, dv = vjp(d_output.astype(jnp.float32))
     _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands,
-                                                    max_document)
+                                                    max_document_length)
     return (_poisoned(_unwritten(dq, q_covered, config, inputs, 0).astype(query.dtype),
                       poison_rows),
             _poisoned(_unwritten(dk, kv_covered, config, inputs, 1).astype(key.dtype),

@@ -201,7 +201,7 @@ def lowered_packed_plans(q, ids):
         q, q, q, is_causal=True, query_segment_ids=ids,
         implementation="cudnn").astype(jnp.float32).sum())
     text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    return (set(re.findall(r"max_document_q = (\d+)", text)),
+    return (set(re.findall(r"max_document_length_q = (\d+)", text)),
             set(re.findall(r"@jax_sdpa_\w+\([^)]*\) .*?: \(.*?tensor<(\d+)xi32>", text)))
 
 

@@ -254,14 +254,14 @@ def test_workspace_planner_refuses_what_the_handlers_refuse():
     with pytest.raises(RuntimeError, match="do not form one attention problem"):
         planner(False, 0, [q, ("bfloat16", [2, 64, 4, 32]), q], planner_attributes())
     with pytest.raises(RuntimeError, match="expected 2 optional operands, got 0"):
-        planner(False, 0, [q, q, q], planner_attributes(has_lengths=True))
+        planner(False, 0, [q, q, q], planner_attributes(padding=True))
     with pytest.raises(RuntimeError, match="sequence lengths must be int32"):
-        planner(False, 0, [q, q, q, lengths, ("int32", [3])], planner_attributes(has_lengths=True))
+        planner(False, 0, [q, q, q, lengths, ("int32", [3])], planner_attributes(padding=True))
     with pytest.raises(RuntimeError, match="expected at least 6 operands"):
         planner(True, 0, [q, q, q], planner_attributes())
     with pytest.raises(RuntimeError, match="paged attention has no backward"):
         planner(True, 0, [q] * 6 + [lengths, lengths, ("int32", [2, 4])],
-                planner_attributes(paged=True, has_lengths=True))
+                planner_attributes(paged=True, padding=True))
 
 
 def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch, fresh_traces):

@@ -102,7 +102,7 @@ def test_stated_bound_lowers_one_plan_and_no_switch(monkeypatch):
         return jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     stated = lowered(max_document_length=256, max_segments=4)
     assert "stablehlo.case" not in stated
-    assert set(re.findall(r"max_document_q = (\d+)", stated)) == {"256"}
+    assert set(re.findall(r"max_document_length_q = (\d+)", stated)) == {"256"}
     assert len(re.findall(r"@jax_sdpa_\w+\(", stated)) == 2
     assert "stablehlo.case" in lowered()  # unstated: the checked switch
 
