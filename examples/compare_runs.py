@@ -20,6 +20,14 @@ def smoothed(values, window=20):
     return np.convolve(values, kernel, mode="valid") if len(values) >= window else values
 
 
+def label(log):
+    """The run's attention path: --attention, with the options that change its arithmetic."""
+    args = log["args"]
+    extras = [name for name, on in (("fp8", args.get("fp8")), ("sinks", args.get("sinks")),
+                                     ("soft-cap", args.get("logits_soft_cap"))) if on]
+    return " + ".join([args["attention"], *extras])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=pathlib.Path)
@@ -33,7 +41,7 @@ def main():
         curve = smoothed([h["loss"] for h in log["train"]])
         n = min(len(curve), len(base))
         gap = float(np.max(np.abs(curve[:n] - base[:n])))
-        print(f"| {log['args']['attention']} | {log['tokens_per_s']:,.0f} | "
+        print(f"| {label(log)} | {log['tokens_per_s']:,.0f} | "
               f"{log['validation'][-1]['loss']:.3f} | {gap:.3f} |")
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
@@ -42,7 +50,7 @@ def main():
     for log in logs:
         steps = [h["step"] for h in log["train"]]
         ax.plot(steps, [h["loss"] for h in log["train"]], lw=0.7,
-                label=f"{log['args']['attention']} ({log['tokens_per_s']:,.0f} tok/s)")
+                label=f"{label(log)} ({log['tokens_per_s']:,.0f} tok/s)")
     ax.set_xlabel("step")
     ax.set_ylabel("train cross-entropy (nats/byte)")
     ax.set_title(f"{logs[0]['device']}: same seed, attention paths compared")
