@@ -111,9 +111,9 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
     per document, offsets) from jax_sdpa.packing.ragged_operands; max_document_length:
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
-    bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an FP8 call's float32
-    scale rows (e4m3 query, key and value; the output comes back e4m3 too, and the amaxes as a
-    third result).
+    bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an
+    FP8 call's float32 scale rows (e4m3 query, key and value; the output comes back e4m3 too,
+    and the amaxes as a third result).
     """
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]

@@ -61,7 +61,7 @@ class KernelConfig:
     # Scaled scores become cap * tanh(scores / cap) before the bias and masks; 0: none.
     logits_soft_cap: float = 0.0
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
-    # the sink's share of each row (jax_sdpa/sinks.py); cuDNN itself never sees it.
+    # the sink's share of each row (jax_sdpa/sink_softmax.py); cuDNN itself never sees it.
     has_sinks: bool = False
     # FP8 attention (jax_sdpa/fp8_scaling.py's recipe): "" none, else the backward's format
     # ("e5m2" or "e4m3") for dO, dS and the gradients; Q, K, V, P and O are e4m3.

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import sharding_rules, sinks
+from jax_sdpa import sharding_rules, sink_softmax
 from jax_sdpa.kernel_config import KernelConfig
 
 _DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
@@ -45,8 +45,8 @@ def _backward(config, residuals, cotangents):
     if config.has_bias and dbias is None:
         dbias = jnp.zeros_like(inputs["bias"])  # a mask's bias: nothing upstream needs it
     grads = dict(query=dq, key=dk, value=dv, bias=dbias)
-    if config.has_sinks:  # exact from the sink attention's output and lse (jax_sdpa/sinks.py)
-        grads["sinks"] = sinks.gradient(output, lse, d_output, inputs["sinks"])
+    if config.has_sinks:  # exact from the sink attention's output and lse (sink_softmax.py)
+        grads["sinks"] = sink_softmax.gradient(output, lse, d_output, inputs["sinks"])
     return ({name: grads[name] if name in _DIFFERENTIABLE else _integer_zero(x)
              for name, x in inputs.items()},)
 

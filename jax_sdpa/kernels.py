@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_kernels, packing, reference_kernel, sinks
+from jax_sdpa import _ffi, fp8_kernels, packing, reference_kernel, sink_softmax
 from jax_sdpa.reference import fill_empty_rows, mean_value
 
 
@@ -35,12 +35,12 @@ def forward(config, inputs):
     if config.logits_soft_cap and config.has_lengths:
         output, lse = _clear_rows_seeing_nothing(output, lse)
     if config.has_sinks:
-        output, lse = sinks.apply(output, lse, inputs["sinks"])
+        output, lse = sink_softmax.apply(output, lse, inputs["sinks"])
     return output, lse
 
 
 def backward(config, inputs, output, lse, d_output):
-    """With sinks, output and lse are the sink attention's (jax_sdpa/sinks.py): given those,
+    """With sinks, output and lse are the sink attention's (jax_sdpa/sink_softmax.py): given those,
     cuDNN's backward is the sink attention's; a reference backward recomputes with the sinks."""
     if config.implementation == "xla":
         return reference_kernel.backward(config, inputs, output, lse, d_output)
@@ -56,7 +56,8 @@ def backward(config, inputs, output, lse, d_output):
         if config.has_sinks and _may_see_nothing(config):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the
             # packed backward would grade: nothing flows back through them.
-            d_output = jnp.where(sinks.rows_kept(lse, inputs["sinks"])[..., None], d_output, 0)
+            kept = sink_softmax.rows_kept(lse, inputs["sinks"])
+            d_output = jnp.where(kept[..., None], d_output, 0)
         return _packed_backward(config, inputs, output, lse, d_output)
     return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, lse, d_output, config))
 

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, command_buffers, debug, planning, sinks as sink_logits, validation
+from jax_sdpa import _ffi, command_buffers, debug, planning, sink_softmax, validation
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.reference import attention_reference, large_negative
 
@@ -109,7 +109,7 @@ def _cudnn(config, query, key_cache, value_cache, page_table, kv_lengths, sinks,
     # there is not the answer, and their lse must be the empty row's for the sinks.
     lse = jnp.where(has_rows[:, None, :], lse, large_negative())
     if sinks is not None:
-        output, _ = sink_logits.apply(output, lse, sinks)
+        output, _ = sink_softmax.apply(output, lse, sinks)
     return output
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import planning, ring_all_gather, validation
-from jax_sdpa import sinks as sinks_lib
+from jax_sdpa import sink_softmax
 from jax_sdpa.ring_blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
                                  merge, split_chunks, with_sinks)
 
@@ -135,12 +135,12 @@ def _ring_bwd(axis_name, is_causal, scores, layout, implementation, residuals, c
     q, k, v, sinks, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
     # Given the sink attention's out and lse, each block's backward is its exact share
-    # (jax_sdpa/sinks.py); rows the sink took whole pass nothing back.
+    # (jax_sdpa/sink_softmax.py); rows the sink took whole pass nothing back.
     if sinks is not None:
-        d_out = jnp.where(sinks_lib.rows_kept(lse, sinks)[..., None], d_out, 0)
+        d_out = jnp.where(sink_softmax.rows_kept(lse, sinks)[..., None], d_out, 0)
     dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores,
                                      layout, implementation)
-    d_sinks = None if sinks is None else sinks_lib.gradient(out, lse, d_out, sinks)
+    d_sinks = None if sinks is None else sink_softmax.gradient(out, lse, d_out, sinks)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 

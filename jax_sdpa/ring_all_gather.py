@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import sinks as sinks_lib
+from jax_sdpa import sink_softmax
 from jax_sdpa.ring_blocks import (DIAGONAL, FULL, block_backward, block_forward, merge,
                                  split_chunks, with_sinks)
 
@@ -70,8 +70,8 @@ def _attend_fwd(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implem
 def _attend_bwd(is_causal, scores, implementation, residuals, cotangents):
     q, k, v, k_all, v_all, sinks, indices, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
-    if sinks is not None:  # rows the sink took whole pass nothing back (jax_sdpa/sinks.py)
-        d_out = jnp.where(sinks_lib.rows_kept(lse, sinks)[..., None], d_out, 0)
+    if sinks is not None:  # rows the sink took whole pass nothing back (jax_sdpa/sink_softmax.py)
+        d_out = jnp.where(sink_softmax.rows_kept(lse, sinks)[..., None], d_out, 0)
     parts = len(indices)
     dq, dk_own, dv_own = [], [], []
     dk_all, dv_all = jnp.zeros_like(k_all, jnp.float32), jnp.zeros_like(v_all, jnp.float32)
@@ -94,7 +94,7 @@ def _attend_bwd(is_causal, scores, implementation, residuals, cotangents):
         dq.append(dq_chunk)
         dk_own.append(dk_chunk)
         dv_own.append(dv_chunk)
-    d_sinks = None if sinks is None else sinks_lib.gradient(out, lse, d_out, sinks)
+    d_sinks = None if sinks is None else sink_softmax.gradient(out, lse, d_out, sinks)
     cast = lambda chunks, like: jnp.concatenate(chunks, axis=1).astype(like.dtype)  # noqa: E731
     return (cast(dq, q), cast(dk_own, k), cast(dv_own, v), dk_all.astype(k_all.dtype),
             dv_all.astype(v_all.dtype), d_sinks, None)  # indices: integers, no gradient

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import command_buffers, kernels
-from jax_sdpa import sinks as sinks_lib
+from jax_sdpa import sink_softmax
 from jax_sdpa.kernel_config import KernelConfig
 
 FULL, DIAGONAL, SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
@@ -133,4 +133,4 @@ def merge(out, lse, block_out, block_lse):
 
 def with_sinks(out, lse, sinks):
     """The merged rows' (out, lse) with the sinks joined once to each denominator."""
-    return (out, lse) if sinks is None else sinks_lib.apply(out, lse, sinks)
+    return (out, lse) if sinks is None else sink_softmax.apply(out, lse, sinks)

@@ -1,6 +1,6 @@
 """Attention sinks and logit soft-capping on CPU: the reference path against a float64 NumPy
 oracle written from the contract (values, log-sum-exp and every gradient, d sinks included,
-with masks that empty rows), the kernel path (jax_sdpa/sinks.py on the kernels' output) against
+with masks that empty rows), the kernel path (jax_sdpa/sink_softmax.py on the kernels' output) against
 the reference, jit / vmap / checkpoint, the sharding rules, ring attention, and bad arguments.
 The GPU file (test_gpu_sinks_softcap.py) holds cuDNN against the reference."""
 
