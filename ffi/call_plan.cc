@@ -15,12 +15,6 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
   return DimsToString(ffi::Span<const int64_t>(dims.data(), dims.size()));
 }
 
-// The window's left bound from the attribute's inclusive convention (keys j >= i - left) to
-// cuDNN's exclusive one (keys j > i - left); -1: none.
-int64_t CudnnLeftBound(int64_t inclusive_left) {
-  return inclusive_left < 0 ? -1 : inclusive_left + 1;
-}
-
 ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const char* name) {
   switch (buffer.element_type()) {
     case ffi::DataType::F16:
@@ -108,7 +102,7 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   c.head_dim_v = vd[rank - 1];
   c.scale = attributes.scale;
   c.soft_cap = attributes.soft_cap;
-  c.window_left = CudnnLeftBound(attributes.window_left);
+  c.window_left = attributes.window_left;
   c.window_right = attributes.window_right;
   c.bottom_right = attributes.bottom_right;
   c.deterministic = direction == Direction::kBackward && attributes.deterministic;
@@ -259,7 +253,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
   }
   c.scale = attributes.scale;
   c.soft_cap = attributes.soft_cap;
-  c.window_left = CudnnLeftBound(attributes.window_left);
+  c.window_left = attributes.window_left;
   c.window_right = attributes.window_right;
   c.bottom_right = attributes.bottom_right;
   c.padding = true;

@@ -16,8 +16,8 @@ namespace {
 
 // File layout: the magic line, then the key's length and the payload's length (decimal, one
 // line each), the payload's checksum (hex line), the key, the payload. Bump the magic's version
-// when the layout changes: older files then read as foreign.
-constexpr char kMagic[] = "jax_sdpa cudnn graph v1\n";
+// when the layout or the meaning of a key's field changes: older files then read as foreign.
+constexpr char kMagic[] = "jax_sdpa cudnn graph v2\n";
 
 uint64_t Fnv1a(const uint8_t* data, size_t size) {
   uint64_t hash = 0xcbf29ce484222325ULL;

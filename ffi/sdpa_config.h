@@ -45,9 +45,10 @@ struct SdpaConfig {
   // masks; 0: none. cuDNN takes it as a score modifier, which replaces its built-in masks: the
   // band and the padding are then built into the modifier (sdpa_graphs.cc).
   float soft_cap = 0.0f;
-  // Diagonal band: query i sees keys j with i + shift - window_left < j (cuDNN's exclusive left
-  // bound) and j <= i + shift + window_right, where shift is 0 aligned top-left and
-  // kv_seq_len - q_seq_len aligned bottom-right. -1: no bound. Causal is window_right = 0.
+  // Diagonal band: query i sees keys j with i + shift - window_left <= j <= i + shift +
+  // window_right (local_window_size's inclusive bounds; the graph builder alone makes cuDNN's
+  // exclusive left bound), where shift is 0 aligned top-left and kv_seq_len - q_seq_len
+  // aligned bottom-right. -1: no bound. Causal is window_right = 0.
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool bottom_right = false;

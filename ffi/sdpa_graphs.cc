@@ -153,6 +153,9 @@ struct SoftCap {
   TensorPtr cap;
 };
 
+// cuDNN's left band bound is exclusive (keys j > i - left); SdpaConfig's is inclusive.
+int64_t CudnnLeftBound(int64_t inclusive_left) { return inclusive_left + 1; }
+
 SoftCap AddSoftCap(fe::graph::Graph& graph, const SdpaConfig& c) {
   if (c.soft_cap <= 0) return {};
   return {std::make_shared<score_modifiers::Softcap>(), graph.tensor(c.soft_cap)};
@@ -166,7 +169,7 @@ TensorPtr MaskScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr s
   if (c.padding) scores = score_modifiers::padding_mask(graph, scores, kv_lengths, q_lengths);
   if (c.window_left < 0 && c.window_right < 0) return scores;
   std::optional<int64_t> left, right;
-  if (c.window_left >= 0) left = c.window_left;
+  if (c.window_left >= 0) left = CudnnLeftBound(c.window_left);
   if (c.window_right >= 0) right = c.window_right;
   return score_modifiers::sliding_window_mask(
       graph, scores,
@@ -200,7 +203,9 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& sof
     if (c.window_right >= 0) {
       options.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
     }
-    if (c.window_left >= 0) options.set_diagonal_band_left_bound(static_cast<int>(c.window_left));
+    if (c.window_left >= 0) {
+      options.set_diagonal_band_left_bound(static_cast<int>(CudnnLeftBound(c.window_left)));
+    }
     if (c.padding) options.set_padding_mask(true);
   }
   if (c.bias_batch > 0) options.set_bias(AddBias(graph, c, "bias", kBias));

@@ -30,7 +30,7 @@ class KernelConfig:
     # The causal/window band: query i sees keys j with i - window_left <= j <= i + window_right
     # (local_window_size's inclusive bounds), measured from the top-left diagonal, or from the
     # bottom-right one with bottom_right; -1: no bound. Causal is window_right = 0. (cuDNN's
-    # left bound is exclusive: the extension alone translates, ffi/call_plan.cc.)
+    # left bound is exclusive: the graph builder alone translates, ffi/sdpa_graphs.cc.)
     window_left: int = -1
     window_right: int = -1
     bottom_right: bool = False

@@ -46,7 +46,7 @@ def damaged(data, how):
     if how == "payload bit flipped":
         return data[:-3] + bytes([data[-3] ^ 1]) + data[-2:]
     if how == "older format":
-        return data.replace(b"graph v1", b"graph v0", 1)
+        return data.replace(b"graph v2", b"graph v0", 1)
     raise ValueError(how)
 
 
