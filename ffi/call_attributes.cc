@@ -8,7 +8,7 @@ std::vector<std::string> HandlerAttributeNames() {
 
 ffi::ErrorOr<CallAttributes> AttributesFromValues(const std::map<std::string, double>& values) {
   CallAttributes attributes;
-#define JAX_SDPA_FROM_VALUE(type, name)                                              \
+#define JAX_SDPA_FROM_VALUE(type, name, default_value)                                              \
   {                                                                                  \
     auto found = values.find(#name);                                                 \
     if (found == values.end()) {                                                     \

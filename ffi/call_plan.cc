@@ -15,6 +15,13 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
   return DimsToString(ffi::Span<const int64_t>(dims.data(), dims.size()));
 }
 
+// The graph's attributes, under the names SdpaConfig shares with them (attribute_list.h).
+void CopyGraphAttributes(const CallAttributes& attributes, SdpaConfig& c) {
+#define JAX_SDPA_COPY(type, name, default_value) c.name = attributes.name;
+  JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_COPY, JAX_SDPA_NOTHING)
+#undef JAX_SDPA_COPY
+}
+
 ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const char* name) {
   switch (buffer.element_type()) {
     case ffi::DataType::F16:
@@ -40,7 +47,7 @@ ffi::Error CheckFp8Call(Direction direction, const SdpaConfig& c, const Optional
   }
   bool causal_only = c.window_left < 0 && (c.window_right < 0 || c.window_right == 0) &&
                      !c.bottom_right;
-  if (!causal_only || c.soft_cap > 0 || c.ragged || c.dropout > 0 || optional.bias ||
+  if (!causal_only || c.logits_soft_cap > 0 || c.ragged || c.dropout > 0 || optional.bias ||
       c.page_size > 0) {
     return InvalidArgument("an FP8 call takes no window but causal (top-left), soft-cap, bias, "
                            "dropout, packed documents or paging: " + c.ToString());
@@ -100,15 +107,9 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   c.kv_heads = kd[rank - 2];
   c.head_dim = qd[rank - 1];
   c.head_dim_v = vd[rank - 1];
-  c.scale = attributes.scale;
-  c.soft_cap = attributes.soft_cap;
-  c.window_left = attributes.window_left;
-  c.window_right = attributes.window_right;
-  c.bottom_right = attributes.bottom_right;
+  CopyGraphAttributes(attributes, c);
+  // A forward graph is one graph whatever its backward's algorithm.
   c.deterministic = direction == Direction::kBackward && attributes.deterministic;
-  c.padding = attributes.padding;
-  c.ragged = attributes.ragged;
-  c.dropout = attributes.dropout;
   c.gradient_type = attributes.fp8_gradients
                         ? static_cast<ElementType>(attributes.fp8_gradients)
                         : c.element_type;
@@ -251,11 +252,8 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
                                      DimsToString(lengths->dimensions()))};
     }
   }
-  c.scale = attributes.scale;
-  c.soft_cap = attributes.soft_cap;
-  c.window_left = attributes.window_left;
-  c.window_right = attributes.window_right;
-  c.bottom_right = attributes.bottom_right;
+  CopyGraphAttributes(attributes, c);
+  c.deterministic = false;  // a forward
   c.padding = true;
   return plan;
 }

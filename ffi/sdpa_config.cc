@@ -14,18 +14,22 @@ int32_t FloatBits(float value) {
   return bits;
 }
 
+int64_t KeyValue(float value) { return FloatBits(value); }
+int64_t KeyValue(int64_t value) { return value; }
+int64_t KeyValue(bool value) { return value; }
+
 // Every field, floats by their bits: two scales that print alike must not share a graph.
 auto Fields(const SdpaConfig& c) {
+#define JAX_SDPA_KEY_VALUE(type, name, default_value) KeyValue(c.name)
   return std::make_tuple(static_cast<int32_t>(c.direction), c.device,
                          static_cast<int32_t>(c.element_type),
                          static_cast<int32_t>(c.gradient_type), c.batch, c.q_seq_len,
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
-                         FloatBits(c.scale), FloatBits(c.soft_cap), c.window_left,
-                         c.window_right, c.bottom_right,
-                         c.padding, c.ragged, c.total_q_tokens, c.total_kv_tokens, c.page_size,
-                         c.num_pages, c.bias_batch,
-                         c.bias_heads, c.bias_grad, c.deterministic, FloatBits(c.dropout),
+                         JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_KEY_VALUE, JAX_SDPA_COMMA),
+                         c.total_q_tokens, c.total_kv_tokens, c.page_size, c.num_pages,
+                         c.bias_batch, c.bias_heads, c.bias_grad,
                          static_cast<int32_t>(c.forward_implementation));
+#undef JAX_SDPA_KEY_VALUE
 }
 
 }  // namespace
@@ -56,11 +60,11 @@ std::string SdpaConfig::ToString() const {
   if (IsFp8(element_type)) out << ", gradients=" << ElementTypeName(gradient_type);
   out << ", batch=" << batch << ", q_seq_len=" << q_seq_len << ", kv_seq_len=" << kv_seq_len
       << ", q_heads=" << q_heads << ", kv_heads=" << kv_heads << ", head_dim=" << head_dim
-      << ", head_dim_v=" << head_dim_v << ", scale=" << scale;
-  if (soft_cap > 0) out << ", soft_cap=" << soft_cap;
-  out << ", window_left=" << window_left
-      << ", window_right=" << window_right
-      << ", alignment=" << (bottom_right ? "bottom_right" : "top_left") << ", padding=" << padding;
+      << ", head_dim_v=" << head_dim_v;
+#define JAX_SDPA_PRINT(type, name, default_value) \
+  if (name != default_value) out << ", " #name "=" << name;
+  JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_PRINT, JAX_SDPA_NOTHING)
+#undef JAX_SDPA_PRINT
   if (ragged) {
     out << ", ragged documents (tokens: " << total_q_tokens << " query, " << total_kv_tokens
         << " key/value)";
@@ -73,8 +77,6 @@ std::string SdpaConfig::ToString() const {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "
         << kv_seq_len << "]" << (bias_grad ? " with dbias" : "");
   }
-  if (deterministic) out << ", deterministic";
-  if (dropout > 0) out << ", dropout=" << dropout;
   if (forward_implementation == ForwardImplementation::kComposite) out << ", composite";
   if (forward_implementation == ForwardImplementation::kUnified) out << ", unified";
   out << "}";

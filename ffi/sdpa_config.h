@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "attribute_list.h"
+
 namespace jax_sdpa {
 
 // FP8 calls (sdpa_fp8, sdpa_fp8_backward) take Q, K, V (and O) in e4m3; their backward's dO,
@@ -40,24 +42,21 @@ struct SdpaConfig {
   int64_t kv_heads = 0;
   int64_t head_dim = 0;    // of queries and keys
   int64_t head_dim_v = 0;  // of values and the output (may differ from head_dim)
-  float scale = 1.0f;
-  // Soft-capping: scaled scores become soft_cap * tanh(scores / soft_cap) before the bias and
-  // masks; 0: none. cuDNN takes it as a score modifier, which replaces its built-in masks: the
-  // band and the padding are then built into the modifier (sdpa_graphs.cc).
-  float soft_cap = 0.0f;
-  // Diagonal band: query i sees keys j with i + shift - window_left <= j <= i + shift +
-  // window_right (local_window_size's inclusive bounds; the graph builder alone makes cuDNN's
-  // exclusive left bound), where shift is 0 aligned top-left and kv_seq_len - q_seq_len
-  // aligned bottom-right. -1: no bound. Causal is window_right = 0.
-  int64_t window_left = -1;
-  int64_t window_right = -1;
-  bool bottom_right = false;
-  bool padding = false;     // int32 [batch] actual lengths of queries and keys/values
+  // The graph's attributes (attribute_list.h), under their names: scale; soft-capping (the
+  // scaled scores become logits_soft_cap * tanh(scores / logits_soft_cap) before the bias and
+  // masks: cuDNN takes it as a score modifier, which replaces its built-in masks, so the band
+  // and the padding are then built into the modifier, sdpa_graphs.cc); the diagonal band (query
+  // i sees keys j with i + shift - window_left <= j <= i + shift + window_right, inclusive as
+  // local_window_size, where shift is 0 aligned top-left and kv_seq_len - q_seq_len aligned
+  // bottom-right; -1: no bound; causal is window_right = 0; the graph builder alone makes
+  // cuDNN's exclusive left bound); padding (int32 [batch] actual lengths of queries and
+  // keys/values); ragged; deterministic (backward only); dropout (the probability of dropping
+  // a weight: Philox seed and offset operands, so the backward drops what the forward dropped).
+  JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_FIELD, JAX_SDPA_NOTHING)
   // Packed documents (cuDNN's ragged layout): `batch` counts documents, each a run of tokens at
   // its own offset into [total_q_tokens, heads, dim] (queries, output) and [total_kv_tokens, ...]
   // (keys, values) memory, with its own lengths (padding is on); q_seq_len and kv_seq_len bound
   // a document's lengths. Stats are token-major then: [total_q_tokens, q_heads].
-  bool ragged = false;
   int64_t total_q_tokens = 0;
   int64_t total_kv_tokens = 0;
   // A paged K/V cache (forward only): keys and values live in a pool of `num_pages` pages of
@@ -69,10 +68,6 @@ struct SdpaConfig {
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias
-  bool deterministic = false;  // backward: cuDNN's deterministic algorithm
-  // Attention dropout: the probability of dropping a weight; > 0 adds Philox seed and offset
-  // operands (int64 scalars on the device), so the backward drops what the forward dropped.
-  float dropout = 0.0f;
   // Forward only. The product leaves kAuto; benchmarks.plans times the others against it.
   ForwardImplementation forward_implementation = ForwardImplementation::kAuto;
 

@@ -157,8 +157,8 @@ struct SoftCap {
 int64_t CudnnLeftBound(int64_t inclusive_left) { return inclusive_left + 1; }
 
 SoftCap AddSoftCap(fe::graph::Graph& graph, const SdpaConfig& c) {
-  if (c.soft_cap <= 0) return {};
-  return {std::make_shared<score_modifiers::Softcap>(), graph.tensor(c.soft_cap)};
+  if (c.logits_soft_cap <= 0) return {};
+  return {std::make_shared<score_modifiers::Softcap>(), graph.tensor(c.logits_soft_cap)};
 }
 
 // The band and the padding as graph nodes on the scores: what cuDNN's built-in masks do, which

@@ -3,8 +3,8 @@
 It is made once per call by jax_sdpa/planning.py and travels unchanged through the custom_vjp
 (kernel_vjp.py), the sharding rules (sharding_rules.py) and the kernels (kernels.py) down to the
 FFI call, where it produces the attributes the C++ handlers decode (tests/test_lowering.py
-checks them against the extension's own list). Adding an option means a field here, its
-attribute, and its use in C++.
+checks them against the extension's own list). Adding a scalar option means a field here, its
+entry in _OWN_ATTRIBUTES and ffi/attribute_list.h, and its use in the graph builder.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX ref
 
 # The fp8_gradients attribute: ffi/sdpa_config.h's ElementType of the FP8 backward's format.
 _FP8_ELEMENT_TYPES = {"": 0, "e4m3": 2, "e5m2": 3}
+
+# The graph's attributes that are KernelConfig's own fields under the same names, with the
+# attribute's type (ffi/attribute_list.h): a new scalar option is a field here and an entry.
+_OWN_ATTRIBUTES = {"scale": np.float32, "logits_soft_cap": np.float32, "window_left": np.int64,
+                   "window_right": np.int64, "bottom_right": bool, "deterministic": bool,
+                   "dropout": np.float32}
 
 DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs (and the workspace) before the kernel runs
 
@@ -119,24 +125,20 @@ class KernelConfig:
 
     def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
                        paged: bool = False, poison_rows: bool = False) -> dict:
-        """The attributes of our FFI forward/backward call (ffi/sdpa_handlers.cc decodes them),
-        all but command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call.
-        ragged: the call runs packed documents (lengths per document, offsets);
-        max_document_length: (queries, keys) no document is longer than, 0 for the rows'
-        lengths; paged: keys and
+        """The attributes of our FFI forward/backward call (ffi/attribute_list.h), all but
+        command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call. ragged: the
+        call runs packed documents (lengths per document, offsets); max_document_length:
+        (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
         values are page pools read through a page table (forward only); poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN."""
         zero_fill = self.zero_fill(ragged=ragged, paged=paged)
-        return dict(scale=np.float32(self.scale), soft_cap=np.float32(self.logits_soft_cap),
-                    window_left=np.int64(self.window_left),
-                    window_right=np.int64(self.window_right),
-                    bottom_right=bool(self.bottom_right), has_bias=bool(self.has_bias),
-                    padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
-                    max_document_length_q=np.int64(max_document_length[0]),
-                    max_document_length_kv=np.int64(max_document_length[1]), paged=bool(paged),
-                    bias_grad=bool(self.has_bias and self.bias_grad),
-                    deterministic=bool(self.deterministic), dropout=np.float32(self.dropout),
-                    fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
-                    zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
-                    poison_rows=bool(poison_rows),
-                    debug=np.int64(self.debug))
+        attributes = {name: kind(getattr(self, name)) for name, kind in _OWN_ATTRIBUTES.items()}
+        attributes.update(
+            padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
+            has_bias=bool(self.has_bias), bias_grad=bool(self.has_bias and self.bias_grad),
+            max_document_length_q=np.int64(max_document_length[0]),
+            max_document_length_kv=np.int64(max_document_length[1]), paged=bool(paged),
+            fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
+            zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
+            poison_rows=bool(poison_rows), debug=np.int64(self.debug))
+        return attributes
