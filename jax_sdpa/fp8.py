@@ -134,7 +134,7 @@ def _implementation(query, value):
     head_dim = query.shape[-1]
     if planning.device_reason() is not None:
         return "xla"
-    reason = (planning.fp8_reason(head_dim, value.shape[-1]) or
+    reason = (planning.fp8_reason(head_dim, value.shape[-1], query.shape[1], value.shape[1]) or
               planning.fp8_backward_reason(query.shape[1], value.shape[1], head_dim))
     if reason is None:
         return "cudnn"

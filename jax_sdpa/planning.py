@@ -215,11 +215,14 @@ def ragged_reason(call: AttentionCall) -> str | None:
     return None
 
 
-def fp8_reason(head_dim, head_dim_v) -> str | None:
-    """None if cuDNN's FP8 forward runs these head dims on this device, else why not."""
+def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
+    """None if cuDNN's FP8 forward runs these sizes on this device, else why not."""
     if head_dim != head_dim_v or head_dim % 16 or head_dim > MAX_HEAD_DIM:
         return (f"cuDNN's FP8 attention takes equal query and value head dims, multiples of 16 "
                 f"up to {MAX_HEAD_DIM} (got {head_dim} and {head_dim_v})")
+    if q_seq_len == 1 and kv_seq_len == 1:
+        # Measured on an H200 with cuDNN 9.19: "No valid engine configs" for the FP8 forward.
+        return "cuDNN's FP8 forward has no engine for one query and one key (T = S = 1)"
     if device_reason() is not None:
         return None
     capability = _device_capability()
@@ -255,7 +258,8 @@ def call_reason(call: AttentionCall) -> str | None:
     reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
                                               ("value head_dim", call.value.shape[-1])))
     if reason is None and call.fp8:
-        reason = fp8_reason(call.query.shape[-1], call.value.shape[-1])
+        reason = fp8_reason(call.query.shape[-1], call.value.shape[-1], call.query.shape[1],
+                            call.key.shape[1])
     return reason or soft_cap_reason(call.logits_soft_cap) or diagonal_band(call)[1]
 
 
