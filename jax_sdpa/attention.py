@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import fused_path, planning
-from jax_sdpa.reference import attention_reference, large_negative
+from jax_sdpa.reference import described_attention, large_negative
 from jax_sdpa.validation import AttentionCall, checked_residual_dtype, validate
 
 
@@ -106,14 +106,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if plan is not None:
         output, lse = fused_path.run(call, plan)
     else:
-        output, lse = attention_reference(
-            call.query, call.key, call.value, call.bias, call.mask, scale=call.scale,
-            is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
-            key_value_seq_lengths=call.key_value_seq_lengths,
-            local_window_size=call.local_window_size, diagonal_offset=call.diagonal_offset,
-            dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
-            query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids,
-            logits_soft_cap=call.logits_soft_cap, sinks=call.sinks)
+        output, lse = described_attention(call)
     output = output.reshape(call.output_shape)
     if not return_residual:
         return output

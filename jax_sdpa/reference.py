@@ -10,6 +10,9 @@ path would average there too).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +64,11 @@ def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,
         left, right = local_window_size
         parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
     if query_seq_lengths is not None:
-        parts.append((jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None])[:, None, :, None])
+        valid = jnp.arange(q_seq_len)[None, :] < query_seq_lengths[:, None]
+        parts.append(valid[:, None, :, None])
     if key_value_seq_lengths is not None:
-        parts.append((jnp.arange(kv_seq_len)[None, :] < key_value_seq_lengths[:, None])[:, None, None, :])
+        valid = jnp.arange(kv_seq_len)[None, :] < key_value_seq_lengths[:, None]
+        parts.append(valid[:, None, None, :])
     if not parts:
         return None
     result = parts[0]
@@ -84,12 +89,12 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
                         kv_segment_ids=None, logits_soft_cap=None, sinks=None):
     """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
-    Scores and softmax are float32 for float16/bfloat16/float32 inputs. Dropout (dropout_rate > 0) keeps
-    each weight with probability 1 - rate and scales kept weights by 1 / (1 - rate); the keep
-    mask is drawn from dropout_rng, or given as dropout_keep ([B, N, T, S], e.g. cuDNN's own
-    mask in a test). logits_soft_cap: scaled scores become cap * tanh(scores / cap), before the
-    bias and masks. sinks: float [N], one logit per query head that joins each row's softmax
-    denominator (a row that sees no key then gives zeros). Returns (output [B, T, N, Hv] in the
+    Scores and softmax are float32 for float16/bfloat16/float32 inputs. Dropout
+    (dropout_rate > 0) keeps each weight with probability 1 - rate and scales kept weights by
+    1 / (1 - rate); the keep mask is drawn from dropout_rng, or given as dropout_keep ([B, N,
+    T, S], e.g. cuDNN's own mask in a test). logits_soft_cap: scaled scores become cap *
+    tanh(scores / cap), before the bias and masks. sinks: float [N], one logit per query head
+    that joins each row's softmax denominator (a row that sees no key then gives zeros). Returns (output [B, T, N, Hv] in the
     query's dtype, lse [B, N, T] float32, float64 for float64 inputs): lse is the log-sum-exp
     of each row of masked scores (and the sink), before dropout.
     """
@@ -140,3 +145,14 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     if key_value_seq_lengths is not None:
         out = jnp.where((key_value_seq_lengths > 0)[:, None, None, None], out, zero)
     return out.astype(query.dtype), lse
+
+
+def described_attention(call):
+    """attention_reference of a validated call (jax_sdpa.validation.AttentionCall): its
+    operands, and every keyword of attention_reference that the description holds under the
+    same name, so a new option of both needs no code here."""
+    parameters = inspect.signature(attention_reference).parameters.values()
+    keywords = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    options = {field.name: getattr(call, field.name) for field in dataclasses.fields(call)
+               if field.name in keywords}
+    return attention_reference(call.query, call.key, call.value, call.bias, call.mask, **options)
