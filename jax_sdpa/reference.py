@@ -94,9 +94,10 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     1 / (1 - rate); the keep mask is drawn from dropout_rng, or given as dropout_keep ([B, N,
     T, S], e.g. cuDNN's own mask in a test). logits_soft_cap: scaled scores become cap *
     tanh(scores / cap), before the bias and masks. sinks: float [N], one logit per query head
-    that joins each row's softmax denominator (a row that sees no key then gives zeros). Returns (output [B, T, N, Hv] in the
-    query's dtype, lse [B, N, T] float32, float64 for float64 inputs): lse is the log-sum-exp
-    of each row of masked scores (and the sink), before dropout.
+    that joins each row's softmax denominator (a row that sees no key then gives zeros).
+    Returns (output [B, T, N, Hv] in the query's dtype, lse [B, N, T] float32, float64 for
+    float64 inputs): lse is the log-sum-exp of each row of masked scores (and the sink),
+    before dropout.
     """
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, _ = key.shape
