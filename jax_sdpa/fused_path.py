@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp
+from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.planning import CudnnPlan
 from jax_sdpa.reference import combined_mask, fill_empty_rows, mean_value
 from jax_sdpa.validation import AttentionCall
@@ -61,21 +62,21 @@ def _inputs(call: AttentionCall, plan: CudnnPlan, mask):
     return inputs
 
 
-def _may_hide_whole_rows(call: AttentionCall, mask) -> bool:
+def _may_hide_whole_rows(config: KernelConfig, mask) -> bool:
     """Whether some query row may see no key on a dense cuDNN call. A causal or windowed row
     always sees its diagonal key when cuDNN runs it (T <= S for windows, or padding mode),
     unless key lengths cut that key off; masks (and dense segment ids) can hide anything.
     (Packed calls fix their own rows: jax_sdpa/kernels.py.)"""
-    return mask is not None or (call.local_window_size is not None and call.has_lengths)
+    return mask is not None or (config.window_left >= 0 and config.has_lengths)
 
 
-def _rows_seeing_nothing(call: AttentionCall, mask):
+def _rows_seeing_nothing(call: AttentionCall, config: KernelConfig, mask):
     """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal, window or the
     key/value lengths. Without a dense mask the band and the key lengths say it per row,
     O(T); with one, the mask itself has to be read."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     if mask is None:
-        return _band_rows_seeing_nothing(call)
+        return _band_rows_seeing_nothing(call, config)
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=call.is_causal,
                          local_window_size=call.local_window_size,
                          key_value_seq_lengths=call.key_value_seq_lengths,
@@ -83,24 +84,24 @@ def _rows_seeing_nothing(call: AttentionCall, mask):
     return ~jnp.any(keep, axis=-1)
 
 
-def _band_rows_seeing_nothing(call: AttentionCall):
-    """[B|1, 1, T]: rows whose band of keys (causal, window, both measured from the diagonal
-    offset) holds no key below the key/value length: an interval per row."""
+def _band_rows_seeing_nothing(call: AttentionCall, config: KernelConfig):
+    """[B|1, 1, T]: rows whose band of keys (the config's, measured from its diagonal) holds no
+    key below the key/value length: an interval per row."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
-    positions = jnp.arange(q_seq_len)[None, :] + call.diagonal_offset
-    left, right = call.local_window_size or (None, None)
-    if call.is_causal:
-        right = 0 if right is None else min(right, 0)
-    low = jnp.zeros_like(positions) if left is None else jnp.maximum(positions - left, 0)
+    shift = kv_seq_len - q_seq_len if config.bottom_right else 0
+    positions = jnp.arange(q_seq_len)[None, :] + shift
+    low = (jnp.zeros_like(positions) if config.window_left < 0 else
+           jnp.maximum(positions - config.window_left, 0))
     high = jnp.full_like(positions, kv_seq_len)
     if call.key_value_seq_lengths is not None:
         high = jnp.minimum(high, call.key_value_seq_lengths[:, None])
-    if right is not None:
-        high = jnp.minimum(high, positions + right + 1)
+    if config.window_right >= 0:
+        high = jnp.minimum(high, positions + config.window_right + 1)
     return (high <= low)[:, None, :]
 
 
-def _average_rows_seeing_nothing(call: AttentionCall, mask, output, lse):
+def _average_rows_seeing_nothing(call: AttentionCall, config: KernelConfig, mask, output,
+                                 lse):
     """Rows that see no key get the plain average of all values, as the reference path (and
     jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
     does not swamp the scores, and rows emptied by padding are left to the kernel. The where
@@ -111,7 +112,7 @@ def _average_rows_seeing_nothing(call: AttentionCall, mask, output, lse):
         # The sink takes the whole weight of such rows: the kernels' output is zeros there,
         # as the reference's, and their lse the sink's.
         return output, lse
-    empty = _rows_seeing_nothing(call, mask)  # [B|1, N|1, T]
+    empty = _rows_seeing_nothing(call, config, mask)  # [B|1, N|1, T]
     average = mean_value(q_heads, call.value)[:, None]  # [B, 1, N, Hv]
     output, lse = fill_empty_rows(output, lse, empty, average)
     if call.query_seq_lengths is not None:
@@ -127,6 +128,6 @@ def run(call: AttentionCall, plan: CudnnPlan):
     """Runs a validated call on its cuDNN plan: (output [B, T, N, Hv], lse [B, N, T])."""
     mask = _dense_mask(call, plan.dense_segments)
     output, lse = kernel_vjp.attention(plan.config, _inputs(call, plan, mask))
-    if not plan.config.segments and _may_hide_whole_rows(call, mask):
-        output, lse = _average_rows_seeing_nothing(call, mask, output, lse)
+    if not plan.config.segments and _may_hide_whole_rows(plan.config, mask):
+        output, lse = _average_rows_seeing_nothing(call, plan.config, mask, output, lse)
     return output, lse

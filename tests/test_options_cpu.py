@@ -9,6 +9,7 @@ import pytest
 
 import jax_sdpa
 from conftest import assert_same_function, random_qkv, relative_error
+from test_packing import emulated_cudnn  # noqa: F401
 
 
 def ours(*args, **kwargs):
@@ -174,3 +175,22 @@ def test_jax_nn_mask_grid(case):
         valid = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
     assert_same_function(lambda *a: ours(*a, **kwargs) * valid, lambda *a: jax_nn(*a, **kwargs) * valid,
                 (q, k, v), d_out)
+
+
+@pytest.mark.parametrize("t,s,window,alignment", [
+    (12, 12, (2, 0), "top_left"), (5, 12, (8, 0), "bottom_right"), (12, 12, (0, 3), "top_left"),
+    (7, 16, (10, 1), "bottom_right")])
+def test_fused_path_rows_that_see_no_key_are_the_references(t, s, window, alignment,
+                                                            emulated_cudnn):
+    """Key lengths that cut a row's window empty it: on the fused path (the emulated kernels
+    on CPU) those rows and their gradients are the reference path's (the mean of the values)."""
+    q, k, v, d_out = random_qkv(7, 3, t, s, 4, 2, 16, jnp.bfloat16)
+    lengths = jnp.array([s, 2, 1], jnp.int32)
+
+    def attention(implementation):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, local_window_size=window, causal_alignment=alignment, is_causal=True,
+            key_value_seq_lengths=lengths, implementation=implementation)
+    fused, reference = (jax.vjp(jax.jit(attention(i)), q, k, v) for i in ("cudnn", "xla"))
+    for a, b in zip((fused[0], *fused[1](d_out)), (reference[0], *reference[1](d_out))):
+        assert relative_error(a, b) < 2e-2
