@@ -220,9 +220,9 @@ def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
     if head_dim != head_dim_v or head_dim % 16 or head_dim > MAX_HEAD_DIM:
         return (f"cuDNN's FP8 attention takes equal query and value head dims, multiples of 16 "
                 f"up to {MAX_HEAD_DIM} (got {head_dim} and {head_dim_v})")
-    if q_seq_len == 1 and kv_seq_len == 1:
-        # Measured on an H200 with cuDNN 9.19: "No valid engine configs" for the FP8 forward.
-        return "cuDNN's FP8 forward has no engine for one query and one key (T = S = 1)"
+    if q_seq_len == 1:
+        # Measured on an H200 with cuDNN 9.19: "No valid engine configs" for S = 1 to 1024.
+        return f"cuDNN's FP8 forward has no engine for a single query (T = 1, S = {kv_seq_len})"
     if device_reason() is not None:
         return None
     capability = _device_capability()

@@ -169,14 +169,15 @@ def test_framework_convention_refuses_by_name():
         fp8.dot_product_attention(q8, q8, q8, fp8_params=params, mask_type="PADDING")
 
 
-def test_one_query_and_one_key_is_planned_off_cudnn(monkeypatch):
-    """cuDNN 9.19 has no FP8 forward engine for T = S = 1: planning names it (an error under
-    implementation="cudnn") instead of letting the graph build fail inside XLA."""
+@pytest.mark.parametrize("kv_seq_len", [1, 7])
+def test_a_single_query_is_planned_off_cudnn(kv_seq_len, monkeypatch):
+    """cuDNN 9.19 has no FP8 forward engine for one query (T = 1): planning names it (an error
+    under implementation="cudnn") instead of letting the graph build fail inside XLA."""
     from jax_sdpa import _extension, planning  # noqa: PLC0415
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
     monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)
-    q, k, v, _ = random_qkv(0, 1, 1, 1, 2, 2, 128, jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="T = S = 1"):
+    q, k, v, _ = random_qkv(0, 1, 1, kv_seq_len, 2, 2, 128, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="single query"):
         jax_sdpa.dot_product_attention(q, k, v, fp8=True, implementation="cudnn")
-    assert planning.fp8_reason(128, 128, 1, 7) is None
+    assert planning.fp8_reason(128, 128, 2, kv_seq_len) is None

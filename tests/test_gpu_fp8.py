@@ -28,6 +28,7 @@ CONFIGS = {  # name: (batch, T, S, N, K, head_dim, causal, lengths)
     "mqa-cross": (2, 256, 640, 4, 1, 128, False, None),
     "lengths-causal": (3, 257, 257, 4, 4, 128, True, (1, 200, 257)),
     "one-1": (1, 1, 1, 2, 2, 128, False, None),  # the FP8 reference: cuDNN has no engine
+    "decode-1-300": (2, 1, 300, 4, 2, 128, False, None),  # for T = 1
     "odd-7": (1, 7, 7, 2, 2, 128, True, None),
     "short-64": (2, 64, 64, 2, 2, 128, True, None),
     "short-65-cross": (1, 65, 100, 2, 1, 128, False, None),

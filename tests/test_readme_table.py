@@ -82,8 +82,8 @@ EXAMPLES = {
         call(fp8=True, head_dim=64, **LENGTHS)],
     "fp8=True with other head dims (e.g. 72, or 64 with value head_dim 128)": [
         call(fp8=True, head_dim=72), call(fp8=True, head_dim=64, value_head_dim=128)],
-    "fp8=True with one query and one key (T = S = 1)": [
-        call(fp8=True, head_dim=128, q_seq=1, kv_seq=1)],
+    "fp8=True with a single query (T = 1)": [
+        call(fp8=True, head_dim=128, q_seq=1, kv_seq=1), call(fp8=True, head_dim=128, q_seq=1)],
     "sinks [N], with their gradient": [
         call(sinks=jnp.zeros((N,), jnp.float32), is_causal=True),
         call(sinks=jnp.zeros((N,), jnp.float32), query_segment_ids=jnp.zeros((B, T), jnp.int32),
