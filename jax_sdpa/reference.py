@@ -152,8 +152,12 @@ def described_attention(call):
     """attention_reference of a validated call (jax_sdpa.validation.AttentionCall): its
     operands, and every keyword of attention_reference that the description holds under the
     same name, so a new option of both needs no code here."""
-    parameters = inspect.signature(attention_reference).parameters.values()
-    keywords = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
     options = {field.name: getattr(call, field.name) for field in dataclasses.fields(call)
-               if field.name in keywords}
+               if field.name in _REFERENCE_KEYWORDS}
     return attention_reference(call.query, call.key, call.value, call.bias, call.mask, **options)
+
+
+# attention_reference's keyword-only parameters, read once (not per call).
+_REFERENCE_KEYWORDS = frozenset(
+    p.name for p in inspect.signature(attention_reference).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
