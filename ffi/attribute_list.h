@@ -25,7 +25,6 @@
   SEP() X(bool, zero_outputs, false)  /* elements no document or length covers stay zero */     \
   SEP() X(bool, poison_rows, false)   /* int32 [rows] operand: rows whose first token is NaN */ \
   SEP() X(bool, zero_tails, false)    /* int32 [rows, 2] operand: tokens past them become 0 */  \
-  SEP() X(int64_t, debug, 0)          /* DebugFlags */                                          \
   SEP() X(bool, command_buffer, false) /* recorded into command buffers: see PrepareCall */     \
   SEP() X(bool, workspace_result, false) /* the last result is the call's cuDNN workspace */
 

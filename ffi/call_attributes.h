@@ -20,13 +20,6 @@ struct CallAttributes {
   JAX_SDPA_ATTRIBUTES(JAX_SDPA_FIELD, JAX_SDPA_NOTHING)
 };
 
-// Bits of the `debug` attribute (tests only).
-enum DebugFlags : int64_t {
-  // NaN-fill outputs before cuDNN runs, to prove every element is written, and the workspace,
-  // to prove cuDNN initialises what it reads there.
-  kPoisonOutputs = 1,
-};
-
 // The attribute names, in order: what Python must send (tests compare).
 std::vector<std::string> HandlerAttributeNames();
 

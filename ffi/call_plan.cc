@@ -22,7 +22,7 @@ void CopyGraphAttributes(const CallAttributes& attributes, SdpaConfig& c) {
 #undef JAX_SDPA_COPY
 }
 
-ffi::ErrorOr<ElementType> ReadElementType(const ffi::AnyBuffer& buffer, const char* name) {
+ffi::ErrorOr<ElementType> ReadElementType(const Operand& buffer, const char* name) {
   switch (buffer.element_type()) {
     case ffi::DataType::F16:
       return ElementType::kFloat16;
@@ -52,7 +52,7 @@ ffi::Error CheckFp8Call(Direction direction, const SdpaConfig& c, const Optional
     return InvalidArgument("an FP8 call takes no window but causal (top-left), soft-cap, bias, "
                            "dropout, packed documents or paging: " + c.ToString());
   }
-  const ffi::AnyBuffer& scales = *optional.fp8_scales;
+  const Operand& scales = *optional.fp8_scales;
   int64_t expected = vmapped * Fp8ScaleCount(direction) * kFp8ScaleRow;
   if (scales.element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(scales.element_count()) != expected) {
@@ -65,8 +65,8 @@ ffi::Error CheckFp8Call(Direction direction, const SdpaConfig& c, const Optional
 }
 
 // Reads the operands into a graph config; every shape is checked here, before cuDNN sees it.
-ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                                const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Operand& q,
+                                const Operand& k, const Operand& v,
                                 OptionalInputs optional_inputs, const CallAttributes& attributes) {
   CallPlan plan;
   plan.optional = std::move(optional_inputs);
@@ -128,7 +128,7 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
   if (c.padding) {
     int64_t count = static_cast<int64_t>(optional.q_lengths->element_count());
     if (c.ragged) entries = count / vmapped;
-    for (const ffi::AnyBuffer* lengths : {&*optional.q_lengths, &*optional.kv_lengths}) {
+    for (const Operand* lengths : {&*optional.q_lengths, &*optional.kv_lengths}) {
       if (lengths->element_type() != ffi::DataType::S32 ||
           static_cast<int64_t>(lengths->element_count()) != vmapped * entries || entries == 0) {
         return Failure{InvalidArgument(std::string("sequence lengths must be int32 [") +
@@ -138,7 +138,7 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
     }
   }
   if (c.ragged) {
-    const ffi::AnyBuffer& offsets = *optional.offsets;
+    const Operand& offsets = *optional.offsets;
     int64_t count = static_cast<int64_t>(offsets.element_count());
     plan.offsets_row = count / (5 * vmapped);
     if (offsets.element_type() != ffi::DataType::S32 || count != 5 * vmapped * plan.offsets_row ||
@@ -149,7 +149,7 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
     }
   }
   if (c.dropout > 0) {
-    const ffi::AnyBuffer& seed = *optional.dropout_seed;
+    const Operand& seed = *optional.dropout_seed;
     if (seed.element_type() != ffi::DataType::U32 ||
         static_cast<int64_t>(seed.element_count()) != vmapped * 4) {
       return Failure{InvalidArgument("the dropout seed must be uint32 [4], got " +
@@ -206,8 +206,8 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const ffi::
 // A paged forward: q [B, T, N, H]; key and value page pools [pages, page_size, K, H|Hv];
 // int32 [B] lengths (queries, keys) and page table [B, pages per sequence]. No bias, dropout,
 // ragged layout or vmapped axes (Python sends none).
-ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
-                                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const Operand& q,
+                                     const Operand& k, const Operand& v,
                                      OptionalInputs optional, const CallAttributes& attributes) {
   CallPlan plan;
   plan.optional = std::move(optional);
@@ -219,7 +219,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto vd = v.dimensions();
-  const ffi::AnyBuffer& table = *plan.optional.page_table;
+  const Operand& table = *plan.optional.page_table;
   auto td = table.dimensions();
   SdpaConfig& c = plan.config;
   c.direction = Direction::kForward;
@@ -245,7 +245,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
   c.kv_heads = kd[2];
   c.head_dim_v = vd[3];
   c.kv_seq_len = td[1] * c.page_size;
-  for (const ffi::AnyBuffer* lengths : {&*plan.optional.q_lengths, &*plan.optional.kv_lengths}) {
+  for (const Operand* lengths : {&*plan.optional.q_lengths, &*plan.optional.kv_lengths}) {
     if (lengths->element_type() != ffi::DataType::S32 ||
         static_cast<int64_t>(lengths->element_count()) != c.batch) {
       return Failure{InvalidArgument("sequence lengths must be int32 [batch], got " +
@@ -260,7 +260,7 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const ffi::AnyBuffer& q,
 
 }  // namespace
 
-ffi::Error CheckShape(const ffi::AnyBuffer& buffer, ffi::DataType type,
+ffi::Error CheckShape(const Operand& buffer, ffi::DataType type,
                       const std::vector<int64_t>& expected, const char* name) {
   auto dims = buffer.dimensions();
   bool same = buffer.element_type() == type && dims.size() == expected.size();
@@ -279,11 +279,17 @@ std::vector<int64_t> ToVector(ffi::Span<const int64_t> dims) {
 ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
                                                 const CallAttributes& attributes) {
   return ReadOptionalInputs(
-      rest.size(), [&](size_t i) { return rest.get<ffi::AnyBuffer>(i); }, attributes);
+      rest.size(),
+      [&](size_t i) -> ffi::ErrorOr<Operand> {
+        ffi::ErrorOr<ffi::AnyBuffer> buffer = rest.get<ffi::AnyBuffer>(i);
+        if (!buffer.has_value()) return Failure{buffer.error()};
+        return Operand(*buffer);
+      },
+      attributes);
 }
 
-ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const Operand& q,
+                                   const Operand& k, const Operand& v,
                                    OptionalInputs optional, const CallAttributes& attributes) {
   if (attributes.paged) {
     if (attributes.fp8_gradients) return Failure{InvalidArgument("a paged call is not FP8")};
@@ -295,13 +301,13 @@ ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const ff
   return PlanCall(direction, device, q, k, v, std::move(optional), attributes);
 }
 
-std::vector<int64_t> OutputDims(const ffi::AnyBuffer& q, const SdpaConfig& c) {
+std::vector<int64_t> OutputDims(const Operand& q, const SdpaConfig& c) {
   std::vector<int64_t> dims = ToVector(q.dimensions());
   dims.back() = c.head_dim_v;
   return dims;
 }
 
-std::vector<int64_t> StatsDims(const ffi::AnyBuffer& q, const SdpaConfig& c) {
+std::vector<int64_t> StatsDims(const Operand& q, const SdpaConfig& c) {
   std::vector<int64_t> dims = ToVector(q.dimensions());
   size_t rank = dims.size();
   int64_t seq = dims[rank - 3], heads = dims[rank - 2];

@@ -11,6 +11,7 @@
 #include "call_attributes.h"
 #include "check.h"
 #include "fp8_scales.h"
+#include "operand.h"
 #include "sdpa_config.h"
 
 namespace jax_sdpa {
@@ -18,7 +19,7 @@ namespace jax_sdpa {
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
 // [page_table], [dropout_seed], [poison_rows], [tails], [fp8_scales].
 struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
+  std::optional<Operand> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
       poison_rows, tails, fp8_scales;
 };
 
@@ -31,9 +32,9 @@ struct CallPlan {
   OptionalInputs optional;
 };
 
-// Reads the optional operands from `count` buffers, `get(i)` returning the i-th (an
-// ffi::ErrorOr<ffi::AnyBuffer>): from XLA's remaining arguments, or from shapes Python describes
-// when it plans a call (PlannedWorkspaceBytes).
+// Reads the optional operands from `count` operands, `get(i)` returning the i-th (an
+// ffi::ErrorOr<Operand>): XLA's remaining arguments, or shapes Python describes when it plans
+// a call (PlannedWorkspaceBytes).
 template <typename Get>
 ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
                                                 const CallAttributes& attributes) {
@@ -48,8 +49,8 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   }
   OptionalInputs inputs;
   size_t index = 0;
-  auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> ffi::Error {
-    ffi::ErrorOr<ffi::AnyBuffer> buffer = get(index++);
+  auto next = [&](std::optional<Operand>* slot) -> ffi::Error {
+    ffi::ErrorOr<Operand> buffer = get(index++);
     if (!buffer.has_value()) return buffer.error();
     *slot = *buffer;
     return ffi::Error::Success();
@@ -72,18 +73,18 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
                                                 const CallAttributes& attributes);
 
 // The call's plan from its operands: a paged forward or any other.
-ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const ffi::AnyBuffer& q,
-                                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const Operand& q,
+                                   const Operand& k, const Operand& v,
                                    OptionalInputs optional, const CallAttributes& attributes);
 
 // The output (and its cotangent): the query's shape with the value's head_dim.
-std::vector<int64_t> OutputDims(const ffi::AnyBuffer& q, const SdpaConfig& c);
+std::vector<int64_t> OutputDims(const Operand& q, const SdpaConfig& c);
 
 // Stats: [..., batch, q_heads, q_seq], or token-major [..., batch, q_seq, q_heads] (ragged).
-std::vector<int64_t> StatsDims(const ffi::AnyBuffer& q, const SdpaConfig& c);
+std::vector<int64_t> StatsDims(const Operand& q, const SdpaConfig& c);
 
 // The buffer has exactly this dtype and these dims, or an error naming it.
-ffi::Error CheckShape(const ffi::AnyBuffer& buffer, ffi::DataType type,
+ffi::Error CheckShape(const Operand& buffer, ffi::DataType type,
                       const std::vector<int64_t>& expected, const char* name);
 
 std::vector<int64_t> ToVector(ffi::Span<const int64_t> dims);

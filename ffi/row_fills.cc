@@ -142,7 +142,7 @@ ffi::ErrorOr<TokenLayout> LayoutOf(const ffi::AnyBuffer& buffer) {
   return layout;
 }
 
-ffi::Error CheckRowOperand(const ffi::AnyBuffer& operand, int64_t expected, const char* name) {
+ffi::Error CheckRowOperand(const Operand& operand, int64_t expected, const char* name) {
   if (operand.element_type() != ffi::DataType::S32 ||
       static_cast<int64_t>(operand.element_count()) != expected) {
     return InvalidArgument(std::string(name) + " must be int32 with " +
@@ -181,7 +181,7 @@ ffi::Error FillTokens(cudaStream_t stream, int32_t device, const void* bounds, u
 
 }  // namespace
 
-ffi::Error PoisonFirstTokens(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& flags,
+ffi::Error PoisonFirstTokens(cudaStream_t stream, int32_t device, const Operand& flags,
                              ffi::AnyBuffer buffer) {
   JAX_SDPA_ASSIGN_OR_RETURN(TokenLayout layout, LayoutOf(buffer));
   JAX_SDPA_RETURN_IF_ERROR(CheckRowOperand(flags, layout.rows, "the rows to poison"));
@@ -189,7 +189,7 @@ ffi::Error PoisonFirstTokens(cudaStream_t stream, int32_t device, const ffi::Any
   return FillTokens(stream, device, flags.untyped_data(), 0, 1, 0, 0xFFFFFFFFu, layout, buffer);
 }
 
-ffi::Error ZeroTokenTails(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& tails,
+ffi::Error ZeroTokenTails(cudaStream_t stream, int32_t device, const Operand& tails,
                           int side, ffi::AnyBuffer buffer) {
   JAX_SDPA_ASSIGN_OR_RETURN(TokenLayout layout, LayoutOf(buffer));
   JAX_SDPA_RETURN_IF_ERROR(CheckRowOperand(tails, 2 * layout.rows, "the rows' tails"));

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "operand.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
@@ -17,7 +18,7 @@ namespace jax_sdpa {
 // all-ones bytes (NaN in every float type): the mark a packed call leaves on rows that break
 // the caller's stated document bound.
 xla::ffi::Error PoisonFirstTokens(cudaStream_t stream, int32_t device,
-                                  const xla::ffi::AnyBuffer& flags, xla::ffi::AnyBuffer buffer);
+                                  const Operand& flags, xla::ffi::AnyBuffer buffer);
 
 // buffer as above; tails: int32 [rows, 2] there. Every token t >= tails[r, side] of row r
 // becomes zeros: the tokens past a row's lengths, which cuDNN leaves unwritten (side 0: the
@@ -25,7 +26,7 @@ xla::ffi::Error PoisonFirstTokens(cudaStream_t stream, int32_t device,
 // length costs one block that returns at once, where zero-filling the whole buffer before
 // cuDNN ran cost a pass over it.
 xla::ffi::Error ZeroTokenTails(cudaStream_t stream, int32_t device,
-                               const xla::ffi::AnyBuffer& tails, int side,
+                               const Operand& tails, int side,
                                xla::ffi::AnyBuffer buffer);
 
 }  // namespace jax_sdpa

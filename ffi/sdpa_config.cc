@@ -27,8 +27,7 @@ auto Fields(const SdpaConfig& c) {
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
                          JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_KEY_VALUE, JAX_SDPA_COMMA),
                          c.total_q_tokens, c.total_kv_tokens, c.page_size, c.num_pages,
-                         c.bias_batch, c.bias_heads, c.bias_grad,
-                         static_cast<int32_t>(c.forward_implementation));
+                         c.bias_batch, c.bias_heads, c.bias_grad);
 #undef JAX_SDPA_KEY_VALUE
 }
 
@@ -77,8 +76,6 @@ std::string SdpaConfig::ToString() const {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "
         << kv_seq_len << "]" << (bias_grad ? " with dbias" : "");
   }
-  if (forward_implementation == ForwardImplementation::kComposite) out << ", composite";
-  if (forward_implementation == ForwardImplementation::kUnified) out << ", unified";
   out << "}";
   return out.str();
 }

@@ -23,8 +23,9 @@ const char* ElementTypeName(ElementType type);
 enum class Direction : int32_t { kForward = 0, kBackward = 1 };
 
 // cuDNN frontend's SDPA forward implementations (SDPA_attributes::set_implementation): kAuto lets
-// the frontend choose (what it does when never asked; from frontend 1.21 with cuDNN >= 9.21 it
-// prefers the unified engine where that engine supports the graph), the others force one.
+// the frontend choose, as the product always does (from frontend 1.21 with cuDNN >= 9.21 it
+// prefers the unified engine where that engine supports the graph); benchmarks.plans forces
+// the others to time them against it.
 enum class ForwardImplementation : int32_t { kAuto = 0, kComposite = 1, kUnified = 2 };
 
 struct SdpaConfig {
@@ -68,8 +69,6 @@ struct SdpaConfig {
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias
-  // Forward only. The product leaves kAuto; benchmarks.plans times the others against it.
-  ForwardImplementation forward_implementation = ForwardImplementation::kAuto;
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

@@ -42,6 +42,7 @@ enum TensorUid : int64_t {
 };
 
 // The forward or backward graph (config.direction) of `config`.
-std::shared_ptr<cudnn_frontend::graph::Graph> DescribeSdpaGraph(const SdpaConfig& config);
+std::shared_ptr<cudnn_frontend::graph::Graph> DescribeSdpaGraph(
+    const SdpaConfig& config, ForwardImplementation implementation = ForwardImplementation::kAuto);
 
 }  // namespace jax_sdpa

@@ -239,7 +239,8 @@ fe::AttentionImplementation_t FrontendImplementation(ForwardImplementation imple
                                                            : fe::AttentionImplementation_t::COMPOSITE;
 }
 
-std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
+std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c,
+                                                  ForwardImplementation implementation) {
   auto graph = NewGraph(c);
   OffsetTensors offsets = AddOffsets(*graph, c);
   auto q = AddBshdTensor(*graph, "Q", kQ, c, QuerySide(c, c.head_dim), offsets.q);
@@ -249,9 +250,8 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c) {
                      .set_name("jax_sdpa_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(c.scale);
-  // Only when asked (benchmarks.plans): the product's graphs leave the choice to the frontend.
-  if (c.forward_implementation != ForwardImplementation::kAuto) {
-    options.set_implementation(FrontendImplementation(c.forward_implementation));
+  if (implementation != ForwardImplementation::kAuto) {
+    options.set_implementation(FrontendImplementation(implementation));
   }
   SetMasking(*graph, c, AddSoftCap(*graph, c), options);
   SetPageTables(*graph, c, options);
@@ -429,12 +429,13 @@ void AddFp8Buffers(const SdpaConfig& c, const Fp8Buffers& fp8,
 
 }  // namespace
 
-std::shared_ptr<fe::graph::Graph> DescribeSdpaGraph(const SdpaConfig& config) {
+std::shared_ptr<fe::graph::Graph> DescribeSdpaGraph(const SdpaConfig& config,
+                                                    ForwardImplementation implementation) {
   bool forward = config.direction == Direction::kForward;
   if (IsFp8(config.element_type)) {
     return forward ? DescribeFp8Forward(config) : DescribeFp8Backward(config);
   }
-  return forward ? DescribeForward(config) : DescribeBackward(config);
+  return forward ? DescribeForward(config, implementation) : DescribeBackward(config);
 }
 
 struct SdpaGraph::Frontend {

@@ -26,16 +26,11 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::CallAttributes,
 namespace jax_sdpa {
 namespace {
 
-// Fills an output before cuDNN runs: zeros (`zero`) where elements may be left unwritten by
-// cuDNN (padding, tokens of no document), or all-ones bytes (NaN in every float type) when a
-// test asks to prove every element is written.
-ffi::Error Prefill(cudaStream_t stream, const CallAttributes& attributes, bool zero,
-                   ffi::AnyBuffer buffer) {
+// Zero-fills an output before cuDNN runs where cuDNN may leave elements unwritten (padding,
+// tokens of no document).
+ffi::Error ZeroFill(cudaStream_t stream, bool zero, ffi::AnyBuffer buffer) {
   if (zero) {
     JAX_SDPA_CUDA_CHECK(cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream));
-  } else if (attributes.debug & kPoisonOutputs) {
-    JAX_SDPA_CUDA_CHECK(
-        cudaMemsetAsync(buffer.untyped_data(), 0xFF, buffer.size_bytes(), stream));
   }
   return ffi::Error::Success();
 }
@@ -98,10 +93,6 @@ ffi::ErrorOr<PreparedCall> PrepareCall(cudaStream_t stream, ffi::ScratchAllocato
   } else {
     JAX_SDPA_ASSIGN_OR_RETURN(prepared.workspace, AllocateWorkspace(scratch, *prepared.graph));
   }
-  if (attributes.debug & kPoisonOutputs) {  // the answer must not depend on what it held before
-    JAX_SDPA_CUDA_CHECK(
-        cudaMemsetAsync(prepared.workspace, 0xFF, static_cast<size_t>(needed), stream));
-  }
   return prepared;
 }
 
@@ -141,7 +132,7 @@ ffi::ErrorOr<std::optional<ffi::AnyBuffer>> Fp8Amaxes(ffi::RemainingRets& extra,
 }
 
 // Pointer to the r-th of `repeats` equal slices of a buffer.
-const void* Slice(const ffi::AnyBuffer& buffer, int64_t r, int64_t repeats) {
+const void* Slice(const Operand& buffer, int64_t r, int64_t repeats) {
   return static_cast<const char*>(buffer.untyped_data()) + r * (buffer.size_bytes() / repeats);
 }
 void* MutableSlice(ffi::AnyBuffer buffer, int64_t r, int64_t repeats) {
@@ -192,8 +183,8 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
     // With zero_tails the tokens past the lengths are zeroed after cuDNN ran; the stats, small,
     // are zero-filled first either way.
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, *o));
-    JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, ZeroFirst(attributes), *stats));
+    JAX_SDPA_RETURN_IF_ERROR(ZeroFill(stream, attributes.zero_outputs, *o));
+    JAX_SDPA_RETURN_IF_ERROR(ZeroFill(stream, ZeroFirst(attributes), *stats));
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> amaxes,
                               Fp8Amaxes(extra_results, 0, plan));
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> workspace,
@@ -248,13 +239,13 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
       auto result = extra_results.get<ffi::AnyBuffer>(0);
       if (!result.has_value()) return result.error();
       dbias = **result;
-      const ffi::AnyBuffer& bias = *plan.optional.bias;
+      const Operand& bias = *plan.optional.bias;
       JAX_SDPA_RETURN_IF_ERROR(CheckShape(*dbias, bias.element_type(),
                                           ToVector(bias.dimensions()), "bias gradient"));
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, ZeroFirst(attributes), *dbias));
+      JAX_SDPA_RETURN_IF_ERROR(ZeroFill(stream, ZeroFirst(attributes), *dbias));
     }
     for (ffi::AnyBuffer out : {*dq, *dk, *dv}) {
-      JAX_SDPA_RETURN_IF_ERROR(Prefill(stream, attributes, attributes.zero_outputs, out));
+      JAX_SDPA_RETURN_IF_ERROR(ZeroFill(stream, attributes.zero_outputs, out));
     }
     size_t next_result = dbias ? 1 : 0;
     JAX_SDPA_ASSIGN_OR_RETURN(std::optional<ffi::AnyBuffer> amaxes,

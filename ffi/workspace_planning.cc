@@ -38,22 +38,19 @@ ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(bool backward, int32_t device,
       return Failure{InvalidArgument("expected at least " + std::to_string(fixed) +
                                      " operands, got " + std::to_string(operands.size()))};
     }
-    // Buffers without data: planning reads only dtypes and dims.
-    std::vector<XLA_FFI_Buffer> described(operands.size());
-    for (size_t i = 0; i < operands.size(); ++i) {
-      JAX_SDPA_ASSIGN_OR_RETURN(ffi::DataType type, DataTypeNamed(operands[i].dtype));
-      described[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
-                                    static_cast<XLA_FFI_DataType>(type), nullptr,
-                                    static_cast<int64_t>(operands[i].dims.size()),
-                                    const_cast<int64_t*>(operands[i].dims.data())};
+    // Operands without data: planning reads only dtypes and dims.
+    std::vector<Operand> described;
+    for (const OperandShape& operand : operands) {
+      JAX_SDPA_ASSIGN_OR_RETURN(ffi::DataType type, DataTypeNamed(operand.dtype));
+      described.emplace_back(type, ffi::Span<const int64_t>(operand.dims.data(),
+                                                            operand.dims.size()));
     }
-    auto buffer = [&](size_t i) { return ffi::AnyBuffer(&described[i]); };
+    auto buffer = [&](size_t i) { return described[i]; };
     JAX_SDPA_ASSIGN_OR_RETURN(
         OptionalInputs optional,
         ReadOptionalInputs(
             operands.size() - fixed,
-            [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> { return buffer(fixed + i); },
-            attributes));
+            [&](size_t i) -> ffi::ErrorOr<Operand> { return buffer(fixed + i); }, attributes));
     Direction direction = backward ? Direction::kBackward : Direction::kForward;
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan,
                               PlanAnyCall(direction, device, buffer(0), buffer(1), buffer(2),

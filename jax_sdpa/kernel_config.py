@@ -27,8 +27,6 @@ _OWN_ATTRIBUTES = {"scale": np.float32, "logits_soft_cap": np.float32, "window_l
                    "window_right": np.int64, "bottom_right": bool, "deterministic": bool,
                    "dropout": np.float32}
 
-DEBUG_POISON_OUTPUTS = 1  # tests: NaN-fill outputs (and the workspace) before the kernel runs
-
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -75,7 +73,6 @@ class KernelConfig:
     # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
     # by its work (jax_sdpa/command_buffers.py, JAX_SDPA_COMMAND_BUFFERS).
     command_buffer: bool | None = None
-    debug: int = 0  # DEBUG_* bits (tests)
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -140,5 +137,5 @@ class KernelConfig:
             max_document_length_kv=np.int64(max_document_length[1]), paged=bool(paged),
             fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
-            poison_rows=bool(poison_rows), debug=np.int64(self.debug))
+            poison_rows=bool(poison_rows))
         return attributes

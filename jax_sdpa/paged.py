@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, command_buffers, debug, planning, sink_softmax, validation
+from jax_sdpa import _ffi, command_buffers, planning, sink_softmax, validation
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.reference import attention_reference, large_negative
 
@@ -121,7 +121,7 @@ def _cudnn_config(scale, window, q_seq_len, has_sinks):
     banded = q_seq_len > 1 or window is not None
     return KernelConfig(scale=scale, window_left=left, window_right=0 if banded else -1,
                         bottom_right=banded, has_lengths=True, has_sinks=has_sinks,
-                        command_buffer=command_buffers.command_buffers(), debug=debug.flags())
+                        command_buffer=command_buffers.command_buffers())
 
 
 def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, scale=None,

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _extension, command_buffers, debug
+from jax_sdpa import _extension, command_buffers
 from jax_sdpa._warnings import warn
 from jax_sdpa.kernel_config import KernelConfig
 from jax_sdpa.validation import AttentionCall
@@ -342,7 +342,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         segments=segments, max_segments=call.max_segments if segments else 0,
         max_document_length=(call.max_document_length or ()) if segments else (),
         logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
-        fp8=call.fp8, command_buffer=command_buffers.command_buffers(), debug=debug.flags(),
+        fp8=call.fp8, command_buffer=command_buffers.command_buffers(),
         **_bias_layout(call, dense_segments))
     return CudnnPlan(config, dense_segments)
 

@@ -146,6 +146,8 @@ def twins(role):
 
 
 def calls_to(text, role):
-    """The lines of lowered `text` that call either twin of our target of this role."""
+    """The lines of lowered `text` that call either twin of our target of this role (or its
+    poisoned twin, tests/poisoning.py)."""
     names = twins(role)
-    return [line for line in text.splitlines() if any(f"@{name}(" in line for name in names)]
+    return [line for line in text.splitlines()
+            if any(f"@{name}(" in line or f"@{name}_poisoned(" in line for name in names)]

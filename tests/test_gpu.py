@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import debug
 from jax_sdpa.kernel_config import KernelConfig
 from conftest import (assert_close_to_reference, kernel_attention, random_qkv, relative_error,
+from poisoning import poison_outputs
                       target)
 
 pytestmark = pytest.mark.gpu
@@ -97,7 +97,7 @@ def test_return_residual_is_the_log_sum_exp():
 
 def test_every_output_element_is_written():
     q, k, v, d_out = random_qkv(6, 2, 200, 136, 8, 4, 64, jnp.bfloat16)
-    with debug.poison_outputs():
+    with poison_outputs():
         fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, scale=0.125, is_causal=True, implementation="cudnn", return_residual=True))
         (out, stats), vjp = jax.vjp(fn, q, k, v)
@@ -120,7 +120,7 @@ def test_every_element_is_written_with_lengths(mask):
     kwargs = dict(query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
                   is_causal=mask == "causal",
                   local_window_size=(20, 5) if mask == "window" else None)
-    with debug.poison_outputs():
+    with poison_outputs():
         ours = cudnn_vjp(q, k, v, d_out, **kwargs)
     for name, x in zip(("output", "dq", "dk", "dv"), ours):
         assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import debug
 from conftest import calls_to, random_qkv, relative_error
+from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +59,7 @@ def test_fp8_matches_its_reference_and_float32(name):
     lengths = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     # Below 64 queries the backward is the reference's (with a warning): None, not "cudnn".
     implementation = "cudnn" if min(t, s) >= 64 else None
-    with debug.poison_outputs():
+    with poison_outputs():
         ours = _value_and_grads(_attention(implementation, causal, lengths), (q, k, v), d_out)
     fp8_ref = _value_and_grads(_attention("xla", causal, lengths), (q, k, v), d_out)
     exact = _value_and_grads(
@@ -162,7 +162,7 @@ def test_framework_convention_on_cudnn_matches_its_reference(causal):
                                                   "scale_dV")]
         values = [x.astype(jnp.float32) / s for x, s in zip((out8, *grads[:3]), scales)]
         return values, (amax_s, amax_o), grads[3]
-    with debug.poison_outputs():
+    with poison_outputs():
         ours, ours_amax, ours_params = run("cudnn")
     ref, ref_amax, ref_params = run("xla")
     for part, a, r, e in zip(("output", "dq", "dk", "dv"), ours, ref, exact):

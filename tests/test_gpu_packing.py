@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import debug
 from conftest import assert_close_to_reference, random_qkv, relative_error
+from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +72,7 @@ def test_every_packed_output_element_is_written():
     rng = np.random.default_rng(3)
     q, k, v, d_out = random_qkv(31, 2, 512, 512, 4, 4, 64, jnp.bfloat16)
     ids = packed_ids(rng, 2, 512, low=30, high=200)
-    with debug.poison_outputs():
+    with poison_outputs():
         fn = jax.jit(lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn",
             return_residual=True))
@@ -88,7 +88,7 @@ def test_every_varlen_element_is_written():
     q, k, v, d_out = random_qkv(33, 1, 2501, 2501, 4, 2, 64, jnp.bfloat16)
     flat = [x[0] for x in (q, k, v, d_out)]
     cu = jnp.array([0, 1, 700, 707, 1900, 2390], jnp.int32)  # 111 tokens of padding
-    with debug.poison_outputs():
+    with poison_outputs():
         fn = jax.jit(lambda q, k, v: jax_sdpa.varlen_attention(
             q, k, v, cu, is_causal=True, max_seqlen_q=1193, implementation="cudnn"))
         out, vjp = jax.vjp(fn, *flat[:3])

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, debug
+from jax_sdpa import _ffi
 from conftest import calls_to, random_qkv, relative_error
+from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +72,7 @@ def test_every_workspace_gives_the_same_answers(given, mode, seed_problem, monke
     if given != "planned":
         size = 256 if given == "too_small" else 0
         monkeypatch.setattr(_ffi, "_planned_workspace_bytes", lambda *args: size)
-    with debug.poison_outputs():  # traced here: outputs and workspace poisoned first
+    with poison_outputs():  # traced here: outputs and workspace poisoned first
         step = make_step(d_out)
         text = step.lower(q, k, v).as_text()
         answers = [[np.asarray(x, np.float32) for x in step(q, k, v)] for _ in range(3)]

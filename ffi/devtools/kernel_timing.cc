@@ -211,9 +211,9 @@ ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig&
 
 // The config's graph with every plan cuDNN's heuristics offer (modes A, B and fallback) built
 // where cuDNN can, in the heuristics' order of preference.
-ffi::ErrorOr<std::shared_ptr<fe::graph::Graph>> BuildAllPlans(const SdpaConfig& c,
-                                                              cudnnHandle_t handle) {
-  auto graph = DescribeSdpaGraph(c);
+ffi::ErrorOr<std::shared_ptr<fe::graph::Graph>> BuildAllPlans(
+    const SdpaConfig& c, ForwardImplementation implementation, cudnnHandle_t handle) {
+  auto graph = DescribeSdpaGraph(c, implementation);
   fe::error_t status = graph->validate();
   if (status.is_bad()) return Failure{FrontendError(status, "validate", c)};
   status = graph->build_operation_graph(handle);
@@ -270,8 +270,8 @@ ffi::Error TimePlan(fe::graph::Graph& graph, const SdpaConfig& c, Session& sessi
 
 }  // namespace
 
-ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     const std::vector<BufferSet>& given,
+ffi::Error TimePlans(const SdpaConfig& config, ForwardImplementation implementation,
+                     int64_t iterations, int64_t input_sets, const std::vector<BufferSet>& given,
                      const std::vector<int32_t>& document_lengths,
                      std::vector<PlanTiming>* timings) {
   bool ragged_ok = !config.ragged ||
@@ -328,7 +328,7 @@ ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input
   }
 
   JAX_SDPA_ASSIGN_OR_RETURN(std::shared_ptr<fe::graph::Graph> graph,
-                            BuildAllPlans(config, session.handle()));
+                            BuildAllPlans(config, implementation, session.handle()));
   timings->clear();
   for (int64_t plan = 0; plan < graph->get_execution_plan_count(); ++plan) {
     PlanTiming timing;

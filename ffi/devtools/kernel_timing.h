@@ -32,9 +32,10 @@ using BufferSet = std::vector<void*>;
 // executions of each plan, rotating over the `given` sets of buffers, or, if none are given,
 // over `input_sets` sets of buffers of random values. A ragged config (config.ragged and
 // padding, batch = entries, total_q/kv_tokens the arrays' tokens) takes random inputs and one
-// length per entry in `document_lengths` (0: an empty entry), packed from token 0 on.
-ffi::Error TimePlans(const SdpaConfig& config, int64_t iterations, int64_t input_sets,
-                     const std::vector<BufferSet>& given,
+// length per entry in `document_lengths` (0: an empty entry), packed from token 0 on. A
+// forward may force one of the frontend's implementations.
+ffi::Error TimePlans(const SdpaConfig& config, ForwardImplementation implementation,
+                     int64_t iterations, int64_t input_sets, const std::vector<BufferSet>& given,
                      const std::vector<int32_t>& document_lengths,
                      std::vector<PlanTiming>* timings);
 

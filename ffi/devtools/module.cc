@@ -1,6 +1,7 @@
 // The developer tools' Python module (jax_sdpa._sdpa_devtools), kept out of the product
-// extension: benchmarks/plans.py times every cuDNN plan of one SDPA graph alone through it, and
-// tests read and write graph files (graph_files.h) without a GPU.
+// extension: benchmarks/plans.py times every cuDNN plan of one SDPA graph alone through it,
+// tests read and write graph files (graph_files.h) without a GPU and run our targets with
+// poisoned results (poisoned_targets.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +14,7 @@
 
 #include "graph_files.h"
 #include "kernel_timing.h"
+#include "poisoned_targets.h"
 
 namespace nb = nanobind;
 
@@ -38,11 +40,10 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
         "auto|composite|unified (forward only), got " + direction + ", " + dtype + ", " +
         implementation);
   }
-  c.forward_implementation = implementation == "unified"
-                                 ? jax_sdpa::ForwardImplementation::kUnified
-                             : implementation == "composite"
-                                 ? jax_sdpa::ForwardImplementation::kComposite
-                                 : jax_sdpa::ForwardImplementation::kAuto;
+  jax_sdpa::ForwardImplementation forced =
+      implementation == "unified"     ? jax_sdpa::ForwardImplementation::kUnified
+      : implementation == "composite" ? jax_sdpa::ForwardImplementation::kComposite
+                                      : jax_sdpa::ForwardImplementation::kAuto;
   c.direction = direction == "forward" ? jax_sdpa::Direction::kForward
                                        : jax_sdpa::Direction::kBackward;
   c.element_type = dtype == "float16" ? jax_sdpa::ElementType::kFloat16
@@ -70,7 +71,8 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
   xla::ffi::Error status;
   {
     nb::gil_scoped_release released;  // seconds of GPU work
-    status = jax_sdpa::TimePlans(c, iterations, input_sets, given, document_lengths, &timings);
+    status = jax_sdpa::TimePlans(c, forced, iterations, input_sets, given, document_lengths,
+                                 &timings);
   }
   if (status.failure()) throw std::runtime_error(status.message());
   nb::list result;
@@ -89,7 +91,32 @@ nb::list TimePlans(const std::string& direction, const std::string& dtype, int64
 
 }  // namespace
 
+// Our targets' poisoned twins: {name + "_poisoned": stages}, each running the product's
+// instantiate stage and, after poisoning the results, its execute stage.
+nb::dict PoisonedRegistrations(const nb::dict& product) {
+  if (product.size() > static_cast<size_t>(jax_sdpa::kPoisonedSlots)) {
+    throw std::invalid_argument("more targets than poisoned slots");
+  }
+  nb::dict result;
+  int slot = 0;
+  for (auto [name, stages] : product) {
+    nb::dict given = nb::cast<nb::dict>(stages);
+    auto* execute =
+        reinterpret_cast<XLA_FFI_Handler*>(nb::cast<nb::capsule>(given["execute"]).data());
+    jax_sdpa::SetPoisonedTarget(slot, execute);
+    nb::dict poisoned;
+    poisoned["instantiate"] = given["instantiate"];
+    poisoned["execute"] =
+        nb::capsule(reinterpret_cast<void*>(jax_sdpa::PoisonedHandler(slot++)));
+    result[nb::str((nb::cast<std::string>(name) + "_poisoned").c_str())] = poisoned;
+  }
+  return result;
+}
+
 NB_MODULE(_sdpa_devtools, m) {
+  m.def("poisoned_registrations", &PoisonedRegistrations, nb::arg("registrations"),
+        "Tests: the product's FFI registrations (_sdpa_ffi.registrations()) wrapped so that "
+        "every result is NaN-filled before the handler runs, under name + '_poisoned'.");
   m.def("time_plans", &TimePlans, nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"),
         nb::arg("q_seq_len"), nb::arg("kv_seq_len"), nb::arg("q_heads"), nb::arg("kv_heads"),
         nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("causal"), nb::arg("scale"),
