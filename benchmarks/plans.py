@@ -81,7 +81,8 @@ def ragged_layout(config, max_segments):
     jax_sdpa's plans (cheapest first) that holds its documents, the lengths compacted to the
     front and padded with empty entries (as jax_sdpa/kernels.py lays them out)."""
     lengths = [n for row in config.lengths for n in row]
-    for entries, (bound, _) in kernels._grids(config.batch, max_segments, config.seq, config.seq):
+    for entries, (bound, _) in kernels.ragged_grids(config.batch, max_segments, config.seq,
+                                                    config.seq):
         if len(lengths) <= entries and max(lengths) <= bound:
             return entries, bound, lengths + [0] * (entries - len(lengths))
     raise ValueError(f"no ragged plan holds {config.name}")

@@ -119,8 +119,9 @@ _SHORTEST_BOUND = 256
 _ENTRY_FRACTIONS = (8, 1)  # of batch * max_segments, at least `batch`
 
 
-def _grids(batch, max_segments, q_seq_len, kv_seq_len):
-    """[(entries, (queries, keys))], cheapest grid first; the last covers every case."""
+def ragged_grids(batch, max_segments, q_seq_len, kv_seq_len):
+    """[(entries, (queries, keys))], cheapest grid first; the last covers every case: the grids
+    a checked packed call of these sizes chooses among (benchmarks/plans.py reads them)."""
     bounds = []
     for fraction in _LENGTH_FRACTIONS:
         bound = (-(-q_seq_len // fraction), -(-kv_seq_len // fraction))
@@ -143,7 +144,7 @@ def _branch(docs, grids):
 
 def _packed_grids(inputs, config):
     query, key = inputs["query"], inputs["key"]
-    return _grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
+    return ragged_grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
 
 
 def _ragged_forward(config, docs, grid, inputs, poison_rows=None):
