@@ -16,7 +16,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
+from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS
 from benchmarks.implementations import available
 import jax_sdpa.fp8

@@ -78,7 +78,7 @@ NB_MODULE(_sdpa_ffi, m) {
   m.def("cudnn_header_version", []() { return static_cast<int64_t>(CUDNN_VERSION); },
         "cuDNN version the extension was compiled against.");
   m.def("attribute_names", &jax_sdpa::HandlerAttributeNames,
-        "The attribute names the handlers decode (jax_sdpa/kernel_config.py must send these).");
+        "The attribute names the handlers decode (jax_sdpa/call_spec.py must send these).");
   m.def(
       "workspace_bytes",
       [](bool backward, int32_t device, const std::vector<std::pair<std::string,

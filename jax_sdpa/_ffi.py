@@ -1,5 +1,5 @@
 """The ffi_call wrappers of our cuDNN forward and backward (and the paged forward): operands in
-the handlers' order, attributes from the KernelConfig, the cuDNN workspace as one more result
+the handlers' order, attributes from the CallSpec, the cuDNN workspace as one more result
 that XLA allocates."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     """cuDNN forward: (output [batch..., T, N, Hv], lse float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
-    inputs: the config's inputs by name (kernel_config.INPUTS); query, key, value in the
+    inputs: the config's inputs by name (call_spec.INPUTS); query, key, value in the
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
     per document, offsets) from jax_sdpa.packing.ragged_operands; max_document_length:
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or

@@ -102,9 +102,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                     kv_segment_ids=kv_segment_ids, max_segments=max_segments,
                     logits_soft_cap=logits_soft_cap, sinks=sinks,
                     max_document_length=max_document_length, fp8=fp8)
-    plan = planning.plan(call, implementation, deterministic=bool(deterministic))
-    if plan is not None:
-        output, lse = fused_path.run(call, plan)
+    spec = planning.plan(call, implementation, deterministic=bool(deterministic))
+    if spec.implementation == "cudnn" or spec.fp8:  # FP8's arithmetic lives in the kernels
+        output, lse = fused_path.run(call, spec)
     else:
         output, lse = described_attention(call)
     output = output.reshape(call.output_shape)

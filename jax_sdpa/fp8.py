@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning
 from jax_sdpa import fp8_scaling as scaling
 from jax_sdpa._warnings import warn
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 
 # JAX's fp8_params keys: the forward reads the first six scale factors, the backward thirteen
 # (in ffi/sdpa_graphs.h's Fp8Scale order); the amaxes are placeholders for the backward's.
@@ -62,7 +62,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None
     _check_operands(query, key, value)
     params = _checked_params(fp8_params)
     lengths = _checked_lengths(padding, q_seqlen, kv_seqlen, query.shape[0])
-    config = KernelConfig(scale=float(scale), window_right=0 if causal else -1,
+    config = CallSpec(scale=float(scale), window_right=0 if causal else -1,
                           has_lengths=padding, fp8="e4m3",
                           implementation=_implementation(query, value))
     return _attention(config, query, key, value, lengths, params)

@@ -1,5 +1,5 @@
 """FP8 attention in pure JAX: cuDNN's FP8 SDPA graphs' arithmetic, each rounding where those
-graphs have it, behind the kernels' calling convention (a KernelConfig and inputs by name). It
+graphs have it, behind the kernels' calling convention (a CallSpec and inputs by name). It
 is what fp8=True and jax_sdpa.fp8 compute on the XLA path, and what the cuDNN path is held to.
 
 Forward: S = Q8 K8^T (float32 accumulation of the quantized operands) times the score scale;

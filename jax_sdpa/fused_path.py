@@ -1,4 +1,4 @@
-"""The fused (cuDNN) path of dot_product_attention: a validated call and its plan become the
+"""The kernel path of dot_product_attention: a validated call and its planned spec become the
 kernel inputs (masks folded into one additive bias where cuDNN needs one, lengths completed,
 the dropout seed drawn), run through the custom_vjp, and the rows that see no key made what the
 reference path gives.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp
-from jax_sdpa.kernel_config import KernelConfig
-from jax_sdpa.planning import CudnnPlan
+from jax_sdpa.call_spec import CallSpec
 from jax_sdpa.reference import combined_mask, fill_empty_rows, mean_value
 from jax_sdpa.validation import AttentionCall
 
@@ -31,9 +30,8 @@ def _dense_mask(call: AttentionCall, dense_segments: bool):
     return segments if call.mask is None else jnp.logical_and(call.mask, segments)
 
 
-def _inputs(call: AttentionCall, plan: CudnnPlan, mask):
-    """The kernel inputs by name (kernel_config.INPUTS) for the plan's config."""
-    config = plan.config
+def _inputs(call: AttentionCall, config: CallSpec, mask):
+    """The kernel inputs by name (call_spec.INPUTS) for the planned spec."""
     dtype = call.query.dtype
     batch, q_seq_len, _, _ = call.query.shape
     kv_seq_len = call.key.shape[1]
@@ -62,7 +60,7 @@ def _inputs(call: AttentionCall, plan: CudnnPlan, mask):
     return inputs
 
 
-def _may_hide_whole_rows(config: KernelConfig, mask) -> bool:
+def _may_hide_whole_rows(config: CallSpec, mask) -> bool:
     """Whether some query row may see no key on a dense cuDNN call. A causal or windowed row
     always sees its diagonal key when cuDNN runs it (T <= S for windows, or padding mode),
     unless key lengths cut that key off; masks (and dense segment ids) can hide anything.
@@ -70,26 +68,24 @@ def _may_hide_whole_rows(config: KernelConfig, mask) -> bool:
     return mask is not None or (config.window_left >= 0 and config.has_lengths)
 
 
-def _rows_seeing_nothing(call: AttentionCall, config: KernelConfig, mask):
+def _rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask):
     """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal, window or the
     key/value lengths. Without a dense mask the band and the key lengths say it per row,
     O(T); with one, the mask itself has to be read."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     if mask is None:
         return _band_rows_seeing_nothing(call, config)
-    keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=call.is_causal,
-                         local_window_size=call.local_window_size,
+    keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, local_window_size=config.window(),
                          key_value_seq_lengths=call.key_value_seq_lengths,
-                         diagonal_offset=call.diagonal_offset)
+                         diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len))
     return ~jnp.any(keep, axis=-1)
 
 
-def _band_rows_seeing_nothing(call: AttentionCall, config: KernelConfig):
+def _band_rows_seeing_nothing(call: AttentionCall, config: CallSpec):
     """[B|1, 1, T]: rows whose band of keys (the config's, measured from its diagonal) holds no
     key below the key/value length: an interval per row."""
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
-    shift = kv_seq_len - q_seq_len if config.bottom_right else 0
-    positions = jnp.arange(q_seq_len)[None, :] + shift
+    positions = jnp.arange(q_seq_len)[None, :] + config.diagonal_offset(q_seq_len, kv_seq_len)
     low = (jnp.zeros_like(positions) if config.window_left < 0 else
            jnp.maximum(positions - config.window_left, 0))
     high = jnp.full_like(positions, kv_seq_len)
@@ -100,7 +96,7 @@ def _band_rows_seeing_nothing(call: AttentionCall, config: KernelConfig):
     return (high <= low)[:, None, :]
 
 
-def _average_rows_seeing_nothing(call: AttentionCall, config: KernelConfig, mask, output,
+def _average_rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask, output,
                                  lse):
     """Rows that see no key get the plain average of all values, as the reference path (and
     jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
@@ -124,10 +120,13 @@ def _average_rows_seeing_nothing(call: AttentionCall, config: KernelConfig, mask
     return output, lse
 
 
-def run(call: AttentionCall, plan: CudnnPlan):
-    """Runs a validated call on its cuDNN plan: (output [B, T, N, Hv], lse [B, N, T])."""
-    mask = _dense_mask(call, plan.dense_segments)
-    output, lse = kernel_vjp.attention(plan.config, _inputs(call, plan, mask))
-    if not plan.config.segments and _may_hide_whole_rows(plan.config, mask):
-        output, lse = _average_rows_seeing_nothing(call, plan.config, mask, output, lse)
+def run(call: AttentionCall, config: CallSpec):
+    """Runs a validated call on the kernels of its planned spec: (output [B, T, N, Hv], lse
+    [B, N, T])."""
+    # Segment ids the spec no longer runs as packed documents become a dense bias.
+    dense_segments = call.query_segment_ids is not None and not config.segments
+    mask = _dense_mask(call, dense_segments)
+    output, lse = kernel_vjp.attention(config, _inputs(call, config, mask))
+    if not config.segments and _may_hide_whole_rows(config, mask):
+        output, lse = _average_rows_seeing_nothing(call, config, mask, output, lse)
     return output, lse

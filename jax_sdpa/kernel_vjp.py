@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sdpa import sharding_rules, sink_softmax
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 
 _DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(config: KernelConfig, inputs: dict):
-    """inputs: the config's arrays by name (kernel_config.INPUTS): query [B, T, N, H], key
+def attention(config: CallSpec, inputs: dict):
+    """inputs: the config's arrays by name (call_spec.INPUTS): query [B, T, N, H], key
     [B, S, K, H], value [B, S, K, Hv], bias [1|B, 1|N, T, S] in the query's dtype, lengths int32
     [B], segment ids int32 [B, T] / [B, S], dropout_seed uint32 [4] (Philox seed, then offset,
     as two int64), sinks float [N]. Returns (output [B, T, N, Hv], lse float32 [B, N, T])."""

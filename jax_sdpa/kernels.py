@@ -1,10 +1,10 @@
 """The kernel layer: one forward and one backward per implementation ("cudnn": our FFI calls;
-"xla": the reference behind the same calling convention), chosen by the KernelConfig.
+"xla": the reference behind the same calling convention), chosen by the CallSpec.
 
     forward(config, inputs)  -> (output [B, T, N, Hv], lse float32 [B, N, T])
     backward(config, inputs, output, lse, d_output) -> (dq, dk, dv, dbias or None)
 
-inputs: the config's arrays by name (kernel_config.INPUTS). This is what the sharding rules run
+inputs: the config's arrays by name (call_spec.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
 device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
 table can express the ids, else the exact blockwise reference (no [T, S] array anywhere); or,

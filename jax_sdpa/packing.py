@@ -109,7 +109,7 @@ def documents(q_ids, kv_ids, *, max_segments, q_lengths=None, kv_lengths=None,
 
 def rows_seeing_nothing(docs: Documents, window_left=-1, window_right=-1, q_lengths=None):
     """bool [B, T]: query tokens inside a document (and before their row's query length) whose
-    band of keys within the document is empty. The band is KernelConfig's (inclusive bounds,
+    band of keys within the document is empty. The band is CallSpec's (inclusive bounds,
     -1: none), measured from the document's first token, keys aligned with queries."""
     positions = jnp.arange(docs.q_slot.shape[1], dtype=jnp.int32)[None, :]
     slot = jnp.maximum(docs.q_slot, 0)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, command_buffers, planning, sink_softmax, validation
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from jax_sdpa.reference import attention_reference, large_negative
 
 
@@ -119,7 +119,7 @@ def _cudnn_config(scale, window, q_seq_len, has_sinks):
     keeps it to its sequence's keys."""
     left = -1 if window is None else window[0]
     banded = q_seq_len > 1 or window is not None
-    return KernelConfig(scale=scale, window_left=left, window_right=0 if banded else -1,
+    return CallSpec(scale=scale, window_left=left, window_right=0 if banded else -1,
                         bottom_right=banded, has_lengths=True, has_sinks=has_sinks,
                         command_buffer=command_buffers.command_buffers())
 

@@ -1,6 +1,6 @@
-"""Planning a call: whether cuDNN can run it (and its backward), and if so the one KernelConfig
-that describes it everywhere below (band, options, operand layout); if not, why, in one sentence
-a user can act on. dot_product_attention and jax_sdpa.ring both decide here, so both warn (or,
+"""Planning a call: whether cuDNN can run it (and its backward), and if so its CallSpec refined
+for cuDNN (an equivalent band, the operands' layout, the implementation); if not, why, in one
+sentence a user can act on. dot_product_attention and jax_sdpa.ring both decide here, so both warn (or,
 with implementation="cudnn", raise) the same way.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jax_sdpa import _extension, command_buffers
 from jax_sdpa._warnings import warn
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from jax_sdpa.validation import AttentionCall
 
 MIN_CUDNN_VERSION = 90000  # cuDNN 9.0: SDPA forward and backward through the frontend graphs
@@ -32,15 +32,6 @@ BROKEN_FP8_CUDNN_VERSION = 91000  # the frontend refuses FP8 SDPA on exactly cuD
 MIN_FP8_COMPUTE_CAPABILITY = (9, 0)  # Hopper: FP8 tensor cores
 MIN_FP8_BACKWARD_SEQ_LEN = 64
 _INT32_LIMIT = 2 ** 31  # ragged offsets are int32 element counts
-
-
-@dataclasses.dataclass(frozen=True)
-class CudnnPlan:
-    """How a call runs on cuDNN: its kernel config, and whether its segment ids must become a
-    dense bias (a combination the ragged layout cannot take)."""
-
-    config: KernelConfig
-    dense_segments: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,45 +135,34 @@ def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class Band:
-    """The causal/window band as KernelConfig holds it (inclusive bounds, -1: none)."""
-
-    left: int = -1
-    right: int = -1
-    bottom_right: bool = False
-
-
-def diagonal_band(call: AttentionCall) -> tuple[Band | None, str | None]:
-    """(the band cuDNN runs for this call, None) or (None, why cuDNN cannot run it).
+def diagonal_band(call: AttentionCall) -> tuple[dict | None, str | None]:
+    """(the band cuDNN runs for this call, as CallSpec fields, None) or (None, why cuDNN cannot
+    run it).
 
     A bottom-right band is shifted onto the top-left diagonal where the shifted bounds stay
     valid (this also works with a bias and dropout, which cuDNN's own bottom-right alignment
     refuses); otherwise cuDNN's bottom-right alignment is used where it applies."""
-    left, right = call.local_window_size or (None, None)
-    if call.is_causal:
-        right = 0 if right is None else min(right, 0)
-    if left is None and right is None:
-        return Band(), None
+    spec = call.spec
+    left, right = spec.window_left, spec.window_right
+    if not spec.banded:
+        return dict(window_left=-1, window_right=-1, bottom_right=False), None
     q_seq_len = call.query.shape[1]
     kv_seq_len = call.key.shape[1]
     offset = call.diagonal_offset
-    shifted_left = None if left is None else left - offset
-    shifted_right = None if right is None else right + offset
-    if (shifted_left is None or shifted_left >= 0) and (shifted_right is None or
-                                                          shifted_right >= 0):
-        band = Band(-1 if left is None else shifted_left,
-                    -1 if right is None else shifted_right)
-    elif (call.bias is None and call.mask is None and call.dropout_rate == 0.0 and
-          not call.has_lengths and call.query_segment_ids is None and q_seq_len <= kv_seq_len):
-        band = Band(-1 if left is None else left, -1 if right is None else right, True)
+    shifted_left = left - offset if left >= 0 else -1
+    shifted_right = right + offset if right >= 0 else -1
+    if (left < 0 or shifted_left >= 0) and (right < 0 or shifted_right >= 0):
+        band = dict(window_left=shifted_left, window_right=shifted_right, bottom_right=False)
+    elif (call.bias is None and call.mask is None and spec.dropout == 0.0 and
+          not spec.has_lengths and not spec.segments and q_seq_len <= kv_seq_len):
+        band = dict(window_left=left, window_right=right, bottom_right=True)
     else:
         return None, ("causal_alignment='bottom_right' with these sequence lengths "
                       f"(T={q_seq_len}, S={kv_seq_len}) and window needs a band cuDNN does not "
                       "offer together with a bias, mask, dropout, segment ids or sequence "
                       "lengths")
-    if band.left >= 0 and q_seq_len > kv_seq_len and not call.has_lengths and not (
-            call.query_segment_ids is not None and ragged_reason(call) is None):
+    if band["window_left"] >= 0 and q_seq_len > kv_seq_len and not spec.has_lengths and not (
+            spec.segments and ragged_reason(call) is None):
         return None, (f"cuDNN's sliding window needs T <= S without sequence lengths (T="
                       f"{q_seq_len}, S={kv_seq_len})")
     return band, None
@@ -193,11 +173,11 @@ def ragged_reason(call: AttentionCall) -> str | None:
     take the dense path (a [B, 1, T, S] bias)."""
     if call.bias is not None or call.mask is not None:
         return "segment ids with a bias or mask need a dense [B, N, T, S] bias"
-    if call.logits_soft_cap is not None:
+    if call.spec.logits_soft_cap:
         return ("segment ids with logits_soft_cap need a dense [B, 1, T, S] bias (cuDNN's "
                 "ragged layout relies on its built-in padding mask, which a score modifier "
                 "turns off)")
-    if call.diagonal_offset != 0 and (call.is_causal or call.local_window_size is not None):
+    if call.spec.bottom_right:
         return ("segment ids with causal_alignment='bottom_right' and T != S need a dense "
                 "[B, 1, T, S] bias")
     capability = _device_capability() if device_reason() is None else None
@@ -257,10 +237,11 @@ def call_reason(call: AttentionCall) -> str | None:
     device."""
     reason = kernel_reason(call.query.dtype, (("head_dim", call.query.shape[-1]),
                                               ("value head_dim", call.value.shape[-1])))
-    if reason is None and call.fp8:
+    if reason is None and call.spec.fp8:
         reason = fp8_reason(call.query.shape[-1], call.value.shape[-1], call.query.shape[1],
                             call.key.shape[1])
-    return reason or soft_cap_reason(call.logits_soft_cap) or diagonal_band(call)[1]
+    return (reason or soft_cap_reason(call.spec.logits_soft_cap or None) or
+            diagonal_band(call)[1])
 
 
 def use_cudnn(reason: str | None, implementation, dtype, subject: str = "this call") -> bool:
@@ -298,24 +279,26 @@ def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
                 bias_grad=call.bias is not None)
 
 
-def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan | None:
-    """The cuDNN plan of a validated call, or None for the reference path (after its
-    warning, or NotImplementedError with implementation="cudnn")."""
-    if call.fp8 and deterministic:
+def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
+    """The call's spec as it runs: refined for cuDNN (implementation "cudnn"), or as validated
+    for the reference path (after its warning, or NotImplementedError with
+    implementation="cudnn")."""
+    spec = call.spec
+    if spec.fp8 and deterministic:
         raise ValueError("deterministic=True is not offered with fp8=True (cuDNN's FP8 backward "
                          "has no deterministic algorithm on Hopper)")
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = device_reason() or call_reason(call)
     backward = None if reason else backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
-                                                   call.logits_soft_cap, call.bias is not None)
-    if reason is None and backward is None and call.fp8:
+                                                   spec.logits_soft_cap or None, spec.bias_grad)
+    if reason is None and backward is None and spec.fp8:
         backward = fp8_backward_reason(q_seq_len, kv_seq_len, head_dim)
-    if backward is not None and call.dropout_rate > 0.0:
+    if backward is not None and spec.dropout > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
     if not use_cudnn(reason, implementation, call.query.dtype):
-        return _fp8_reference_plan(call) if call.fp8 else None
+        return spec
     band, _ = diagonal_band(call)
     backward_kernel = None
     if backward is not None:
@@ -325,32 +308,17 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CudnnPlan 
         warn(f"jax_sdpa: the backward of this call takes the XLA reference path because "
              f"{backward}")
         backward_kernel = "xla"
-    segments, dense_segments = "", False
-    if call.query_segment_ids is not None:
+    dense_segments = False
+    if spec.segments:
         dense_reason = ragged_reason(call)
-        if dense_reason is None:
-            segments = "self" if call.kv_segment_ids is None else "cross"
-        else:
+        if dense_reason is not None:
             warn(f"jax_sdpa: segment ids take the dense path because {dense_reason}")
             dense_segments = True
-    config = KernelConfig(
-        scale=call.scale, window_left=band.left, window_right=band.right,
-        bottom_right=band.bottom_right, deterministic=bool(deterministic),
-        dropout=call.dropout_rate, implementation="cudnn",
-        backward_implementation=backward_kernel, has_lengths=call.has_lengths,
-        same_lengths=call.same_lengths,
-        segments=segments, max_segments=call.max_segments if segments else 0,
-        max_document_length=(call.max_document_length or ()) if segments else (),
-        logits_soft_cap=call.logits_soft_cap or 0.0, has_sinks=call.sinks is not None,
-        fp8=call.fp8, command_buffer=command_buffers.command_buffers(),
+    ragged = bool(spec.segments) and not dense_segments
+    return dataclasses.replace(
+        spec, **band, deterministic=bool(deterministic), implementation="cudnn",
+        backward_implementation=backward_kernel, segments=spec.segments if ragged else "",
+        max_segments=spec.max_segments if ragged else 0,
+        max_document_length=spec.max_document_length if ragged else (),
+        command_buffer=command_buffers.command_buffers(),
         **_bias_layout(call, dense_segments))
-    return CudnnPlan(config, dense_segments)
-
-
-def _fp8_reference_plan(call: AttentionCall) -> CudnnPlan:
-    """FP8 on the XLA path: its semantics are the kernel layer's (fp8_reference.py), which the
-    plain reference path does not have."""
-    config = KernelConfig(scale=call.scale, window_right=0 if call.is_causal else -1,
-                          implementation="xla", has_lengths=call.has_lengths,
-                          same_lengths=call.same_lengths, fp8=call.fp8)
-    return CudnnPlan(config)

@@ -10,8 +10,6 @@ path would average there too).
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -148,16 +146,20 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     return out.astype(query.dtype), lse
 
 
+def spec_options(spec, q_seq_len, kv_seq_len, first_row=0) -> dict:
+    """attention_reference's keywords that a CallSpec's static description gives, for rows
+    first_row.. of T queries against S keys: the one reading of a spec as the semantics."""
+    return dict(scale=spec.scale, local_window_size=spec.window(),
+                diagonal_offset=spec.diagonal_offset(q_seq_len, kv_seq_len) + first_row,
+                dropout_rate=spec.dropout, logits_soft_cap=spec.logits_soft_cap or None)
+
+
 def described_attention(call):
     """attention_reference of a validated call (jax_sdpa.validation.AttentionCall): its
-    operands, and every keyword of attention_reference that the description holds under the
-    same name, so a new option of both needs no code here."""
-    options = {field.name: getattr(call, field.name) for field in dataclasses.fields(call)
-               if field.name in _REFERENCE_KEYWORDS}
-    return attention_reference(call.query, call.key, call.value, call.bias, call.mask, **options)
-
-
-# attention_reference's keyword-only parameters, read once (not per call).
-_REFERENCE_KEYWORDS = frozenset(
-    p.name for p in inspect.signature(attention_reference).parameters.values()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    operands, read as its description (a CallSpec) says."""
+    return attention_reference(
+        call.query, call.key, call.value, call.bias, call.mask,
+        query_seq_lengths=call.query_seq_lengths,
+        key_value_seq_lengths=call.key_value_seq_lengths, dropout_rng=call.dropout_rng,
+        query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids,
+        sinks=call.sinks, **spec_options(call.spec, call.query.shape[1], call.key.shape[1]))

@@ -1,5 +1,5 @@
-"""The reference path behind the kernels' calling convention: a KernelConfig and its inputs by
-name (its band as KernelConfig holds it, a bias that already holds the mask, lse as the forward's
+"""The reference path behind the kernels' calling convention: a CallSpec and its inputs by
+name (its band as CallSpec holds it, a bias that already holds the mask, lse as the forward's
 residual).
 
 It serves three purposes: the "xla" implementation of the kernel layer, so the sharding rules
@@ -16,20 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import fp8_reference
-from jax_sdpa.reference import attention_reference
+from jax_sdpa.reference import attention_reference, spec_options
 
-_UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 # Query rows per block of the blockwise form: its float32 scores take block x S x heads x batch
 # x 4 bytes; about this many elements at most.
 _BLOCK_ELEMENTS = 1 << 24
-
-
-def _window(config):
-    if config.window_left < 0 and config.window_right < 0:
-        return None
-    left = config.window_left if config.window_left >= 0 else _UNBOUNDED
-    right = config.window_right if config.window_right >= 0 else _UNBOUNDED
-    return left, right
 
 
 def _dropout_rng(inputs):
@@ -44,16 +35,14 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
             rng=None):
     """attention_reference on `query` (rows first_row.. of the call's queries)."""
     key, value = inputs["key"], inputs["value"]
-    offset = key.shape[1] - inputs["query"].shape[1] if config.bottom_right else 0
     # The keys' ids: their own, or (self-attention packing) all of the queries'.
     kv_segment_ids = inputs.get("kv_segment_ids", inputs.get("q_segment_ids"))
     return attention_reference(
-        query, key, value, inputs.get("bias"), None, scale=config.scale,
-        query_seq_lengths=q_lengths, key_value_seq_lengths=inputs.get("kv_lengths"),
-        local_window_size=_window(config), diagonal_offset=offset + first_row,
-        dropout_rate=config.dropout, dropout_rng=rng, query_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, logits_soft_cap=config.logits_soft_cap or None,
-        sinks=inputs.get("sinks"))
+        query, key, value, inputs.get("bias"), None, query_seq_lengths=q_lengths,
+        key_value_seq_lengths=inputs.get("kv_lengths"), dropout_rng=rng,
+        query_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        sinks=inputs.get("sinks"),
+        **spec_options(config, inputs["query"].shape[1], key.shape[1], first_row))
 
 
 def forward(config, inputs):

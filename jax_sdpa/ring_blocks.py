@@ -17,7 +17,7 @@ from jax import lax
 
 from jax_sdpa import command_buffers, kernels
 from jax_sdpa import sink_softmax
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 
 FULL, DIAGONAL, SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
 
@@ -36,7 +36,7 @@ def split_chunks(x, parts, axis=1):
 
 def _config(implementation, scores, kind, has_lengths):
     # A ring's blocks follow every call's rule (command_buffers.records_into_command_buffers).
-    return KernelConfig(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
+    return CallSpec(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
                         has_lengths=has_lengths, implementation=implementation,
                         command_buffer=command_buffers.command_buffers(),
                         logits_soft_cap=scores.soft_cap or 0.0)

@@ -8,7 +8,7 @@ by the rule, never an error. Sequence parallelism is jax_sdpa.ring's job.
 
 Layers, outside in: custom_vmap (under vmap the kernel's own batching runs: JAX's
 custom_partitioning has no batching rule) -> custom_partitioning (the rule) -> the kernel
-(jax_sdpa/kernels.py, which the KernelConfig picks).
+(jax_sdpa/kernels.py, which the CallSpec picks).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sdpa import kernels
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 
 # Arrays with no batch axis (everything else has it first).
 _UNBATCHED = ("dropout_seed", "sinks")
 
 
-def _factors(config: KernelConfig, groups: int):
+def _factors(config: CallSpec, groups: int):
     """Each array's factors in Shardy's einsum-like notation, by name."""
     heads = "k" if groups == 1 else "(k g)"
     bias = (f"{'b' if config.bias_batch_full else 'bias_b'} "

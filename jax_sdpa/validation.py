@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sdpa.call_spec import CallSpec
+
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
@@ -22,50 +24,29 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
-    """One validated call, its tensors folded to rank 4 ([B, T, N, H] / [B, S, K, H])."""
+    """One validated call: its description (static) and its operands, folded to rank 4
+    ([B, T, N, H] / [B, S, K, H])."""
 
+    spec: CallSpec
     query: jnp.ndarray
     key: jnp.ndarray
     value: jnp.ndarray
     bias: jnp.ndarray | None
     mask: jnp.ndarray | None
-    scale: float
-    is_causal: bool
     query_seq_lengths: jnp.ndarray | None
     key_value_seq_lengths: jnp.ndarray | None
-    local_window_size: tuple[int, int] | None
     output_shape: tuple[int, ...]  # the caller's output shape, restored on the way out
-    # Where the causal diagonal and the window sit: query i is aligned with key i + offset;
-    # offset = 0 top-left (jax.nn), S - T bottom-right.
-    diagonal_offset: int = 0
-    dropout_rate: float = 0.0
     dropout_rng: jnp.ndarray | None = None  # a single PRNG key when dropout_rate > 0
     # Packed sequences, kept as ids (never a dense mask here): int32 [B, T] and [B, S]; the
-    # keys' ids are None when they are the queries' own. max_segments bounds the documents per
-    # row that cuDNN's ragged layout runs (rows with more take an exact fallback).
+    # keys' ids are None when they are the queries' own.
     query_segment_ids: jnp.ndarray | None = None
     kv_segment_ids: jnp.ndarray | None = None
-    max_segments: int = 0
-    # The caller's statement that every row's documents are contiguous runs of at most these
-    # many query and key tokens (max_segments per row): (queries, keys), or None. Lets cuDNN's
-    # ragged layout run without the check on the device (kernels.py); rows breaking it get NaN.
-    max_document_length: tuple[int, int] | None = None
-    # Soft-capping of the scaled scores (cap * tanh(scores / cap)), None for none; attention
-    # sinks: float32 [N], one logit per query head that joins each softmax denominator.
-    logits_soft_cap: float | None = None
-    sinks: jnp.ndarray | None = None
-    # FP8 attention (jax_sdpa/fp8_scaling.py): "" none, else the backward's FP8 format.
-    fp8: str = ""
+    sinks: jnp.ndarray | None = None  # float [N], one logit per query head
 
     @property
-    def has_lengths(self) -> bool:
-        return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
-
-    @property
-    def same_lengths(self) -> bool:
-        """Whether one array gives both the query and the key/value lengths."""
-        return (self.query_seq_lengths is not None and
-                self.key_value_seq_lengths is self.query_seq_lengths)
+    def diagonal_offset(self) -> int:
+        """Query i sits at key i + diagonal_offset (0 top-left, S - T bottom-right)."""
+        return self.spec.diagonal_offset(self.query.shape[1], self.key.shape[1])
 
 
 def _as_array(value, name):
@@ -342,17 +323,28 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
                                  else "top_left"),
                dropout_rate=rate, query_segment_ids=q_ids, logits_soft_cap=logits_soft_cap,
                sinks=sinks)
-    return AttentionCall(
-        query=query, key=key, value=value, bias=bias, mask=mask, scale=scale,
-        is_causal=bool(is_causal),
-        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-        local_window_size=checked_window(local_window_size),
-        output_shape=output_shape,
-        diagonal_offset=kv_seq_len - q_seq_len if causal_alignment == "bottom_right" else 0,
-        dropout_rate=rate, dropout_rng=rng, query_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        max_segments=_max_segments(max_segments),
+    window = checked_window(local_window_size)
+    left, right = window or (-1, -1)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    banded = left >= 0 or right >= 0
+    ids = "" if q_ids is None else ("self" if kv_ids is None else "cross")
+    segments_per_row = _max_segments(max_segments)
+    spec = CallSpec(
+        scale=scale, window_left=left, window_right=right,
+        bottom_right=banded and causal_alignment == "bottom_right" and q_seq_len != kv_seq_len,
+        dropout=rate, implementation="xla",
+        has_bias=bias is not None, bias_batch_full=bias is not None and bias.shape[0] > 1,
+        bias_heads_full=bias is not None and bias.shape[1] > 1, bias_grad=bias is not None,
+        has_lengths=q_lengths is not None or kv_lengths is not None,
+        same_lengths=q_lengths is not None and kv_lengths is q_lengths,
+        segments=ids, max_segments=segments_per_row if ids else 0,
         max_document_length=_max_document_length(max_document_length, q_ids, q_seq_len,
-                                                 kv_seq_len),
-        logits_soft_cap=checked_soft_cap(logits_soft_cap),
-        sinks=checked_sinks(sinks, q_heads, query.dtype), fp8=fp8,
-    )
+                                                 kv_seq_len) or (),
+        logits_soft_cap=checked_soft_cap(logits_soft_cap) or 0.0,
+        has_sinks=sinks is not None, fp8=fp8)
+    return AttentionCall(
+        spec=spec, query=query, key=key, value=value, bias=bias, mask=mask,
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        output_shape=output_shape, dropout_rng=rng, query_segment_ids=q_ids,
+        kv_segment_ids=kv_ids, sinks=checked_sinks(sinks, q_heads, query.dtype))

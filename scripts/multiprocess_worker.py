@@ -58,7 +58,7 @@ def check_sharding(platform):
     from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
     from jax_sdpa import kernel_vjp  # noqa: PLC0415
-    from jax_sdpa.kernel_config import KernelConfig  # noqa: PLC0415
+    from jax_sdpa.call_spec import CallSpec  # noqa: PLC0415
 
     kernel = "cudnn" if platform == "gpu" else "xla"
     dtype = jnp.bfloat16 if kernel == "cudnn" else np.float32
@@ -71,7 +71,7 @@ def check_sharding(platform):
     k, v = (_random((b, t, kv_heads, d), s, dtype) for s in (2, 3))
     for bias_shape in (None, (1, heads, t, t)):
         bias = None if bias_shape is None else _random(bias_shape, 5, dtype)
-        config = KernelConfig(scale=d ** -0.5, window_right=0, implementation=kernel,
+        config = CallSpec(scale=d ** -0.5, window_right=0, implementation=kernel,
                               has_bias=bias is not None, bias_grad=bias is not None,
                               bias_heads_full=bias is not None)
 

@@ -13,13 +13,13 @@ LAYERS = [
     {"ring_all_gather", "ring_blocks"},                  # ring attention's strategies, blocks
     {"attention"},                                       # dot_product_attention
     {"fused_path"},                                      # a call's cuDNN pre/post-processing
-    {"planning"},                                        # cuDNN or not, and the KernelConfig
+    {"planning"},                                        # cuDNN or not, and the CallSpec
     {"kernel_vjp"},                                      # forward + backward as custom_vjp
     {"sharding_rules"},                                  # custom_partitioning / custom_vmap
     {"kernels"},                                         # the kernel switch, packed layout
     {"_ffi", "reference_kernel", "packing",               # FFI, reference, tables
      "sink_softmax", "fp8_kernels", "fp8_reference"},    # sinks; FP8 on cuDNN, its reference
-    {"reference", "validation", "kernel_config", "_warnings", "versions",  # leaves
+    {"reference", "validation", "call_spec", "_warnings", "versions",  # leaves
      "_extension", "command_buffers", "varying", "fp8_scaling"},
 ]
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from conftest import (assert_close_to_reference, kernel_attention, random_qkv, relative_error,
-from poisoning import poison_outputs
                       target)
+from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -169,7 +169,7 @@ def test_cudnn_failure_is_an_exception_and_the_next_call_works():
     q, k, v, _ = random_qkv(9, 1, 64, 64, 2, 2, 60, jnp.float16)
     with pytest.raises(Exception, match=r"cuDNN.*SdpaConfig\{forward.*head_dim=60"):
         jax.block_until_ready(jax.jit(lambda *a: kernel_attention(
-            *a, KernelConfig(0.1)))(q, k, v))
+            *a, CallSpec(0.1)))(q, k, v))
     q, k, v, _ = random_qkv(10, 1, 64, 64, 2, 2, 64, jnp.float16)
     out = jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn")
     assert np.all(np.isfinite(np.asarray(out, np.float32)))

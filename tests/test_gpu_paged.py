@@ -3,7 +3,6 @@ cache (decode and chunked prefill; GQA; windows; sinks; sequences shorter than T
 page tables with garbage past each sequence's pages), outputs NaN-poisoned first; the lowered
 program calls our forward target. Skipped without a GPU."""
 
-import re
 
 import jax
 import jax.numpy as jnp

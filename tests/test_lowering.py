@@ -10,7 +10,7 @@ import pytest
 
 from jax_sdpa import _extension, _ffi, command_buffers
 import jax_sdpa
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from conftest import calls_to, kernel_attention, twins
 
 FORWARD, BACKWARD = "forward", "backward"  # our targets' roles (either twin: conftest.calls_to)
@@ -61,7 +61,7 @@ def custom_calls(fn, *args):
 
 
 def loss(q, k, v):
-    output, _ = kernel_attention(q, k, v, KernelConfig(0.125, window_right=0))
+    output, _ = kernel_attention(q, k, v, CallSpec(0.125, window_right=0))
     return output.astype(jnp.float32).sum()
 
 
@@ -234,7 +234,7 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
 
 def planner_attributes(**changes):
     """A plain call's attributes as workspace_bytes takes them (numbers by name)."""
-    attributes = dict(KernelConfig(0.125).ffi_attributes(), command_buffer=False,
+    attributes = dict(CallSpec(0.125).ffi_attributes(), command_buffer=False,
                       workspace_result=False, **changes)
     return {name: float(value) for name, value in attributes.items()}
 

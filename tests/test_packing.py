@@ -220,20 +220,20 @@ def test_blockwise_fallback_is_the_reference(case):
     """The exact fallback, block by block (a block that does not divide T), against the whole
     reference: values and gradients."""
     from jax_sdpa import reference_kernel  # noqa: PLC0415
-    from jax_sdpa.kernel_config import KernelConfig  # noqa: PLC0415
+    from jax_sdpa.call_spec import CallSpec  # noqa: PLC0415
     q, k, v, d_out = (x.astype(jnp.float32) for x in qkv(10, kv_seq=S))
     q_ids = jnp.asarray(np.stack(ROWS["reused_id"]))
     inputs = dict(query=q, key=k[:, :T] if case == "self_causal" else k,
                   value=v[:, :T] if case == "self_causal" else v, q_segment_ids=q_ids)
     if case == "self_causal":
         inputs = dict(inputs, key=q[:, :, :K], value=q[:, :, :K])
-        config = KernelConfig(0.2, window_right=0, segments="self", max_segments=4)
+        config = CallSpec(0.2, window_right=0, segments="self", max_segments=4)
     else:
         kv_row = runs((10, 1), (10, 2), (20, 3))
         inputs["kv_segment_ids"] = jnp.asarray(np.stack([kv_row, kv_row]))
         inputs["q_lengths"] = jnp.array([40, 30], jnp.int32)
         inputs["kv_lengths"] = jnp.array([35, 40], jnp.int32)
-        config = KernelConfig(0.2, window_left=6, window_right=2, has_lengths=True,
+        config = CallSpec(0.2, window_left=6, window_right=2, has_lengths=True,
                               segments="cross", max_segments=4)
     whole = lambda q: reference_kernel.forward(config, dict(inputs, query=q))  # noqa: E731
     blocks = lambda q: reference_kernel.blockwise_forward(  # noqa: E731

@@ -111,10 +111,11 @@ def claimed_as_code_says(claim, example):
         ragged = planning.ragged_reason(example)
         return (ragged is None) == ("ragged layout" in claim), ragged
     q_seq, kv_seq = example.query.shape[1], example.key.shape[1]
-    if example.fp8:  # its backward's limits depend on the device (README text, not checked)
+    if example.spec.fp8:  # its backward's limits depend on the device (README text, not checked)
         return True, None
     backward = planning.backward_reason(q_seq, kv_seq, example.query.shape[-1],
-                                        example.value.shape[-1], example.logits_soft_cap,
+                                        example.value.shape[-1],
+                                        example.spec.logits_soft_cap or None,
                                         example.bias is not None)
     return (backward is not None) == ("backward takes the reference" in claim), backward
 

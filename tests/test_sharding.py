@@ -17,7 +17,7 @@ import jax_sdpa
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_sdpa import _ffi, planning
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from jax_sdpa.kernel_vjp import dropout_seed
 from conftest import kernel_attention, relative_error
 import ragged_emulator
@@ -54,7 +54,7 @@ def inputs(kernel, bias_shape=None):
 def step_fn(kernel, bias_shape=None, dropout=0.0):
     """Forward and backward as one jitted program, returning every result (no scalar loss, so
     no reduction of our own enters the compiled program)."""
-    config = KernelConfig(scale=0.125, window_right=0, implementation=kernel, dropout=dropout,
+    config = CallSpec(scale=0.125, window_right=0, implementation=kernel, dropout=dropout,
                           has_bias=bias_shape is not None, bias_grad=bias_shape is not None,
                           bias_batch_full=bias_shape is not None and bias_shape[0] > 1,
                           bias_heads_full=bias_shape is not None and bias_shape[1] > 1)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_sdpa
-from jax_sdpa.kernel_config import KernelConfig
+from jax_sdpa.call_spec import CallSpec
 from jax_sdpa.ring import ring_attention, zigzag_permute, zigzag_unpermute
 from conftest import kernel_attention, relative_error
 
@@ -168,8 +168,8 @@ def test_soft_cap_bounds_the_scores():
     assert float(jnp.max(out)) <= 0.5 + np.log(S) + 1e-5
 
 
-def kernel_config(**overrides):
-    return KernelConfig(scale=1 / np.sqrt(H), window_right=0, implementation="xla",
+def call_spec(**overrides):
+    return CallSpec(scale=1 / np.sqrt(H), window_right=0, implementation="xla",
                         logits_soft_cap=CAP, has_sinks=True, **overrides)
 
 
@@ -179,7 +179,7 @@ def test_kernel_path_matches_the_reference():
     q, k, v, d_out, sinks = inputs(1)
 
     def kernel(q, k, v, sinks):
-        return kernel_attention(q, k, v, kernel_config(), sinks=sinks)[0]
+        return kernel_attention(q, k, v, call_spec(), sinks=sinks)[0]
 
     def reference(q, k, v, sinks):
         return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=CAP,
@@ -226,7 +226,7 @@ def test_sinks_follow_the_head_sharding(layout):
     sinks = jax.random.normal(keys[4], (8,))
 
     def step(q, k, v, sinks, d_out):
-        out, vjp = jax.vjp(lambda *a: kernel_attention(*a[:3], kernel_config(), sinks=a[3])[0],
+        out, vjp = jax.vjp(lambda *a: kernel_attention(*a[:3], call_spec(), sinks=a[3])[0],
                            q, k, v, sinks)
         return (out, *vjp(d_out))
     spec = P(None, None, "x") if layout == "heads" else P("x")

@@ -1,10 +1,16 @@
-"""KernelConfig: everything static about one kernel call, in one frozen (hashable) value.
+"""CallSpec: the description of one attention call, everything static about it, in one frozen
+(hashable) value: the semantics (band, scale, dropout, soft-cap, which optional operands are
+there, packing, FP8) and, once planned, how it runs (implementation, determinism).
 
-It is made once per call by jax_sdpa/planning.py and travels unchanged through the custom_vjp
-(kernel_vjp.py), the sharding rules (sharding_rules.py) and the kernels (kernels.py) down to the
-FFI call, where it produces the attributes the C++ handlers decode (tests/test_lowering.py
-checks them against the extension's own list). Adding a scalar option means a field here, its
-entry in _OWN_ATTRIBUTES and ffi/attribute_list.h, and its use in the graph builder.
+jax_sdpa/validation.py makes it from the keyword arguments (the other entry points, paged,
+ring and jax_sdpa.fp8, make theirs directly); jax_sdpa/planning.py refines the same value for
+cuDNN (dataclasses.replace: an equivalent band, the operands' layout, the implementation). It
+travels unchanged through the custom_vjp (kernel_vjp.py), the sharding rules
+(sharding_rules.py) and the kernels (kernels.py) down to the FFI call, where it produces the
+attributes that ffi/attribute_list.h lists and SdpaConfig mirrors (tests/test_lowering.py
+checks them against the extension's own list); the reference path reads it too. Adding a
+scalar option means a field here and its entry in _OWN_ATTRIBUTES, its line in
+ffi/attribute_list.h, its use in the graph builder and in the reference, and its keyword.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ import numpy as np
 INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
           "kv_segment_ids", "dropout_seed", "sinks")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
+_UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 
 # The fp8_gradients attribute: ffi/sdpa_config.h's ElementType of the FP8 backward's format.
 _FP8_ELEMENT_TYPES = {"": 0, "e4m3": 2, "e5m2": 3}
 
-# The graph's attributes that are KernelConfig's own fields under the same names, with the
+# The graph's attributes that are CallSpec's own fields under the same names, with the
 # attribute's type (ffi/attribute_list.h): a new scalar option is a field here and an entry.
 _OWN_ATTRIBUTES = {"scale": np.float32, "logits_soft_cap": np.float32, "window_left": np.int64,
                    "window_right": np.int64, "bottom_right": bool, "deterministic": bool,
@@ -29,23 +36,26 @@ _OWN_ATTRIBUTES = {"scale": np.float32, "logits_soft_cap": np.float32, "window_l
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class CallSpec:
     scale: float
     # The causal/window band: query i sees keys j with i - window_left <= j <= i + window_right
     # (local_window_size's inclusive bounds), measured from the top-left diagonal, or from the
-    # bottom-right one with bottom_right; -1: no bound. Causal is window_right = 0. (cuDNN's
-    # left bound is exclusive: the graph builder alone translates, ffi/sdpa_graphs.cc.)
+    # bottom-right one with bottom_right (set only where T != S); -1: no bound. Causal is
+    # window_right = 0. Planning may move a bottom-right band onto the top-left diagonal (the
+    # same band for these T and S). (cuDNN's left bound is exclusive: the graph builder alone
+    # translates, ffi/sdpa_graphs.cc.)
     window_left: int = -1
     window_right: int = -1
     bottom_right: bool = False
     deterministic: bool = False
     dropout: float = 0.0  # probability of dropping a weight; > 0 needs a dropout_seed input
+    # "xla" (the reference: a call as validated) or "cudnn", as planned.
     implementation: str = "cudnn"
     # The backward's kernel, when it differs from the forward's (a cuDNN forward whose backward
     # cuDNN cannot run, e.g. T = S = 1).
     backward_implementation: str | None = None
-    # Optional inputs: a bias [1|B, 1|N, T, S] (with its gradient when the bias is the user's,
-    # not a mask's), valid lengths [B], segment ids [B, T] / [B, S].
+    # Optional inputs: a bias [1|B, 1|N, T, S] (the user's; planned for cuDNN, also a mask's
+    # and dense segment ids', with a gradient for the user's alone), valid lengths [B].
     has_bias: bool = False
     bias_batch_full: bool = False
     bias_heads_full: bool = False
@@ -53,9 +63,10 @@ class KernelConfig:
     has_lengths: bool = False
     # The key/value lengths are the query lengths (one array given for both).
     same_lengths: bool = False
-    # Packed documents from segment ids: "" none, "self" (keys share the queries' ids),
-    # "cross" (kv_segment_ids of their own); at most max_segments documents per row run on
-    # cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
+    # Packed documents from segment ids [B, T] / [B, S]: "" none, "self" (keys share the
+    # queries' ids), "cross" (kv_segment_ids of their own); at most max_segments documents per
+    # row run on cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
+    # Planning clears it where the ids must become a dense bias instead.
     segments: str = ""
     max_segments: int = 0
     # (queries, keys): the caller's stated bound on a document's tokens (its documents are
@@ -94,6 +105,18 @@ class KernelConfig:
     @property
     def banded(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
+
+    def window(self) -> tuple[int, int] | None:
+        """The band as the reference's local_window_size ((left, right), inclusive, a bound
+        no sequence reaches for an open side), or None without one."""
+        if not self.banded:
+            return None
+        unbounded = lambda bound: bound if bound >= 0 else _UNBOUNDED  # noqa: E731
+        return unbounded(self.window_left), unbounded(self.window_right)
+
+    def diagonal_offset(self, q_seq_len: int, kv_seq_len: int) -> int:
+        """Where query i sits among the keys: key i + offset (0 top-left, S - T bottom-right)."""
+        return kv_seq_len - q_seq_len if self.bottom_right else 0
 
     def input_names(self) -> tuple[str, ...]:
         """The inputs a call with this config takes, in INPUTS order."""
