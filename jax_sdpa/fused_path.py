@@ -123,7 +123,7 @@ def _average_rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask, ou
 def run(call: AttentionCall, config: CallSpec):
     """Runs a validated call on the kernels of its planned spec: (output [B, T, N, Hv], lse
     [B, N, T])."""
-    # Segment ids the spec no longer runs as packed documents become a dense bias.
+    # Segment ids that planning sent off the ragged layout become a dense bias.
     dense_segments = call.query_segment_ids is not None and not config.segments
     mask = _dense_mask(call, dense_segments)
     output, lse = kernel_vjp.attention(config, _inputs(call, config, mask))
