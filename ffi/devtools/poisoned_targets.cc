@@ -11,15 +11,10 @@ namespace {
 
 XLA_FFI_Handler* product_handlers[kPoisonedSlots] = {};
 
-bool IsMetadataCall(const XLA_FFI_CallFrame* frame) {
-  for (const XLA_FFI_Extension_Base* e = frame->extension_start; e != nullptr; e = e->next) {
-    if (e->type == XLA_FFI_Extension_Metadata) return true;
-  }
-  return false;
-}
-
-// Fills every buffer result of an executing call with 0xFF bytes on the call's stream.
+// Fills every buffer result of an executing call with 0xFF bytes on the call's stream. (XLA's
+// metadata query, a call frame without results, passes through untouched.)
 XLA_FFI_Error* PoisonResults(XLA_FFI_CallFrame* frame) {
+  if (frame->rets.size == 0) return nullptr;
   XLA_FFI_Stream_Get_Args stream_args{XLA_FFI_Stream_Get_Args_STRUCT_SIZE, nullptr, frame->ctx,
                                       nullptr};
   if (XLA_FFI_Error* error = frame->api->XLA_FFI_Stream_Get(&stream_args)) return error;
@@ -42,7 +37,7 @@ XLA_FFI_Error* PoisonResults(XLA_FFI_CallFrame* frame) {
 
 template <int kSlot>
 XLA_FFI_Error* Poisoned(XLA_FFI_CallFrame* frame) {
-  if (frame->stage == XLA_FFI_ExecutionStage_EXECUTE && !IsMetadataCall(frame)) {
+  if (frame->stage == XLA_FFI_ExecutionStage_EXECUTE) {
     if (XLA_FFI_Error* error = PoisonResults(frame)) return error;
   }
   return product_handlers[kSlot](frame);
