@@ -48,6 +48,25 @@ def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
     assert ("ragged = true" in text) == packed
 
 
+def test_poisoned_twins_replace_our_targets_only_while_asked(monkeypatch):
+    """Inside tests/poisoning.py's poison_outputs() a call lowers to the devtools' poisoned
+    twins of our targets (what proves, on a GPU, that every result element is written), and
+    after it to the product's own again."""
+    from poisoning import poison_outputs
+
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+
+    def names():
+        return custom_call_names(jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()), q)
+    product = names()
+    assert product <= {name for role in (FORWARD, BACKWARD) for name in twins(role)}
+    with poison_outputs():
+        assert names() == {f"{name}_poisoned" for name in product}
+    assert names() == product
+
+
 def custom_call_names(fn, *args):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
