@@ -28,11 +28,12 @@ _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 # The fp8_gradients attribute: ffi/sdpa_config.h's ElementType of the FP8 backward's format.
 _FP8_ELEMENT_TYPES = {"": 0, "e4m3": 2, "e5m2": 3}
 
-# The graph's attributes that are CallSpec's own fields under the same names, with the
-# attribute's type (ffi/attribute_list.h): a new scalar option is a field here and an entry.
-_OWN_ATTRIBUTES = {"scale": np.float32, "logits_soft_cap": np.float32, "window_left": np.int64,
-                   "window_right": np.int64, "bottom_right": bool, "deterministic": bool,
-                   "dropout": np.float32}
+# The graph's attributes that are CallSpec's own fields under the same names
+# (ffi/attribute_list.h): a new scalar option is a field here and a name. Each attribute's type
+# follows its field's: float -> float32, int -> int64, bool -> bool (the C++ list's types).
+_OWN_ATTRIBUTES = ("scale", "logits_soft_cap", "window_left", "window_right", "bottom_right",
+                   "deterministic", "dropout")
+_ATTRIBUTE_TYPES = {"float": np.float32, "int": np.int64, "bool": bool}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,8 @@ class CallSpec:
         values are page pools read through a page table (forward only); poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN."""
         zero_fill = self.zero_fill(ragged=ragged, paged=paged)
-        attributes = {name: kind(getattr(self, name)) for name, kind in _OWN_ATTRIBUTES.items()}
+        attributes = {name: _ATTRIBUTE_TYPES[_FIELD_TYPES[name]](getattr(self, name))
+                      for name in _OWN_ATTRIBUTES}
         attributes.update(
             padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
             has_bias=bool(self.has_bias), bias_grad=bool(self.has_bias and self.bias_grad),
@@ -162,3 +164,7 @@ class CallSpec:
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
             poison_rows=bool(poison_rows))
         return attributes
+
+
+# Each field's annotation by name (strings: this module postpones annotations).
+_FIELD_TYPES = {field.name: field.type for field in dataclasses.fields(CallSpec)}
