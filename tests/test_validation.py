@@ -76,3 +76,36 @@ def test_max_segments_is_a_positive_int(value, error):
     with pytest.raises(error, match="max_segments"):
         jax_sdpa.dot_product_attention(q, q, q, query_segment_ids=jnp.zeros((2, 8), jnp.int32),
                                        max_segments=value)
+
+
+@pytest.mark.parametrize("q_seq_len,kv_seq_len", [(8, 12), (12, 8), (7, 7), (1, 9)])
+def test_the_spec_band_is_the_arguments_mask(q_seq_len, kv_seq_len):
+    """The band a call's CallSpec holds (inclusive bounds, causal folded in, bottom-right only
+    where T != S) reads as exactly the mask its arguments mean, for every combination."""
+    from jax_sdpa.reference import combined_mask
+    from jax_sdpa.validation import validate
+
+    q = jnp.ones((1, q_seq_len, 2, 8), jnp.float32)
+    kv = jnp.ones((1, kv_seq_len, 2, 8), jnp.float32)
+    for is_causal in (False, True):
+        for window in (None, 0, 2, (3, 0), (0, 4), (1, 6)):
+            for alignment in ("top_left", "bottom_right"):
+                spec = validate(q, kv, kv, None, None, scale=None, is_causal=is_causal,
+                                query_seq_lengths=None, key_value_seq_lengths=None,
+                                local_window_size=window, implementation=None,
+                                causal_alignment=alignment).spec
+                offset = kv_seq_len - q_seq_len if alignment == "bottom_right" else 0
+                pair = None if window is None else (
+                    (window, window) if isinstance(window, int) else window)
+                meant = combined_mask(q_seq_len, kv_seq_len, is_causal=is_causal,
+                                      local_window_size=pair, diagonal_offset=offset)
+                held = combined_mask(q_seq_len, kv_seq_len, local_window_size=spec.window(),
+                                     diagonal_offset=spec.diagonal_offset(q_seq_len,
+                                                                          kv_seq_len))
+                every = jnp.ones((1, 1, q_seq_len, kv_seq_len), bool)
+                meant = every if meant is None else jnp.broadcast_to(meant, every.shape)
+                held = every if held is None else jnp.broadcast_to(held, every.shape)
+                np.testing.assert_array_equal(held, meant, err_msg=f"{is_causal} {window} "
+                                              f"{alignment}")
+                assert spec.bottom_right == (alignment == "bottom_right" and spec.banded and
+                                             q_seq_len != kv_seq_len)
