@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning
+from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning, sharding_rules
 from jax_sdpa import fp8_scaling as scaling
 from jax_sdpa._warnings import warn
 from jax_sdpa.call_spec import CallSpec
@@ -158,11 +158,74 @@ def _scalar(x):
 
 
 def _dequantized(x, descale):
-    return x.astype(jnp.float32) * descale.reshape(()).astype(jnp.float32)
+    return x.astype(jnp.float32) * descale.astype(jnp.float32)
 
 
 def _quantized(x, scale):
-    return scaling.quantize(x, scale.reshape(()).astype(jnp.float32), "e4m3")
+    return scaling.quantize(x, scale.astype(jnp.float32), "e4m3")
+
+
+def _forward_kernel(config, inputs, factors):
+    """(out8, lse, amaxes float32 [2, 4]: amax_s, amax_o) of one shard; factors: the scale
+    rows of FORWARD_FACTORS."""
+    if config.implementation == "cudnn":
+        return tuple(_ffi.sdpa_forward(inputs, config, fp8_scales=factors))
+    f = dict(zip(FORWARD_FACTORS, factors[..., 0]))
+    q, k, v = (_dequantized(inputs[x], f[n]) for x, n in
+               (("query", "descale_q"), ("key", "descale_k"), ("value", "descale_v")))
+    out, lse, amax_s = fp8_reference.forward_core(config, inputs, q, k, v, f["scale_s"])
+    return (_quantized(out, f["scale_o"]), lse,
+            fp8_kernels.scale_rows([amax_s, scaling.amax(out)]))
+
+
+def _backward_kernel(config, inputs, out8, lse, d_out, factors):
+    """(dq, dk, dv in e4m3, amaxes float32 [4, 4]: AMAXES' order) of one shard; factors: the
+    scale rows of BACKWARD_FACTORS."""
+    if config.implementation == "cudnn":
+        dq, dk, dv, _, amaxes = _ffi.sdpa_backward(inputs, out8, lse, d_out, config,
+                                                   fp8_scales=factors)
+        return dq, dk, dv, amaxes
+    f = dict(zip(BACKWARD_FACTORS, factors[..., 0]))
+    q, k, v = (_dequantized(inputs[x], f[n]) for x, n in
+               (("query", "descale_q"), ("key", "descale_k"), ("value", "descale_v")))
+    o, d_o = _dequantized(out8, f["descale_o"]), _dequantized(d_out, f["descale_dO"])
+    grads = fp8_reference.backward_core(config, inputs, q, k, v, o, lse, d_o, f["scale_dP"],
+                                        "e4m3", f["scale_s"])
+    dq, dk, dv = (_quantized(g, f[n]) for g, n in
+                  zip(grads[:3], ("scale_dQ", "scale_dK", "scale_dV")))
+    return dq, dk, dv, fp8_kernels.scale_rows([scaling.amax(g) for g in grads[:3]] + [grads[3]])
+
+
+def _names(config):
+    return ["query", "key", "value"] + (["q_lengths", "kv_lengths"] if config.has_lengths
+                                        else [])
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(config, groups):
+    """The forward with the kernels' sharding rule (batch/heads; amaxes reduced over shards)."""
+    names = _names(config)
+
+    def kernel_fn(*arrays):
+        return _forward_kernel(config, dict(zip(names, arrays[:-1])), arrays[-1])
+    return sharding_rules.partitioned(kernel_fn, config, groups, names + ["fp8_factors"],
+                                      ["output", "lse", "amaxes"])
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(config, groups):
+    names = _names(config)
+
+    def kernel_fn(*arrays):
+        inputs = dict(zip(names, arrays[:len(names)]))
+        return _backward_kernel(config, inputs, *arrays[len(names):])
+    return sharding_rules.partitioned(
+        kernel_fn, config, groups, names + ["output", "lse", "d_output", "fp8_factors"],
+        ["dq", "dk", "dv", "amaxes"])
+
+
+def _groups(query, key):
+    return query.shape[2] // key.shape[2]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -172,17 +235,10 @@ def _attention(config, query, key, value, lengths, params):
 
 def _forward(config, query, key, value, lengths, params):
     inputs = _inputs(query, key, value, lengths)
-    if config.implementation == "cudnn":
-        out8, lse, amaxes = _ffi.sdpa_forward(
-            inputs, config, fp8_scales=_factors(params, FORWARD_FACTORS))
-        amax_s, amax_o = amaxes[0, 0], amaxes[1, 0]
-    else:
-        q, k, v = (_dequantized(x, params[n]) for x, n in
-                   ((query, "descale_q"), (key, "descale_k"), (value, "descale_v")))
-        out, lse, amax_s = fp8_reference.forward_core(config, inputs, q, k, v,
-                                                        params["scale_s"].reshape(()))
-        amax_o, out8 = scaling.amax(out), _quantized(out, params["scale_o"])
-    result = (out8, _scalar(amax_s), _scalar(amax_o))
+    call = _forward_call(config, _groups(query, key))
+    out8, lse, amaxes = call(*(inputs[n] for n in _names(config)),
+                             _factors(params, FORWARD_FACTORS))
+    result = (out8, _scalar(amaxes[0, 0]), _scalar(amaxes[1, 0]))
     return result, (query, key, value, lengths, params, out8, lse)
 
 
@@ -190,20 +246,10 @@ def _backward(config, residuals, cotangents):
     query, key, value, lengths, params, out8, lse = residuals
     d_out = cotangents[0].astype(_E4M3)
     inputs = _inputs(query, key, value, lengths)
-    if config.implementation == "cudnn":
-        dq, dk, dv, _, amaxes = _ffi.sdpa_backward(
-            inputs, out8, lse, d_out, config, fp8_scales=_factors(params, BACKWARD_FACTORS))
-        amax = dict(zip(AMAXES, amaxes[:, 0]))
-    else:
-        q, k, v, o, d_o = (_dequantized(x, params[n]) for x, n in
-                           ((query, "descale_q"), (key, "descale_k"), (value, "descale_v"),
-                            (out8, "descale_o"), (d_out, "descale_dO")))
-        grads = fp8_reference.backward_core(config, inputs, q, k, v, o, lse, d_o,
-                                            params["scale_dP"].reshape(()), "e4m3",
-                                            params["scale_s"].reshape(()))
-        amax = dict(zip(AMAXES, [scaling.amax(g) for g in grads[:3]] + [grads[3]]))
-        dq, dk, dv = (_quantized(g, params[n]) for g, n in
-                      zip(grads[:3], ("scale_dQ", "scale_dK", "scale_dV")))
+    call = _backward_call(config, _groups(query, key))
+    dq, dk, dv, amaxes = call(*(inputs[n] for n in _names(config)), out8, lse, d_out,
+                              _factors(params, BACKWARD_FACTORS))
+    amax = dict(zip(AMAXES, amaxes[:, 0]))
     d_params = {name: jnp.zeros_like(x) for name, x in params.items()}
     for name in AMAXES:
         d_params[name] = _scalar(amax[name]).reshape(params[name].shape).astype(

@@ -2,7 +2,8 @@
 
 With query/key/value sharded over batch and/or heads (data, tensor or FSDP-style parallelism),
 each device runs the kernel on its own shard: no collective in the forward or backward, except
-the sum of a broadcast bias's gradient over the devices that share the bias. Any other sharding
+the sum of a broadcast bias's gradient over the devices that share the bias, and the maximum
+of an FP8 call's amaxes over the shards (jax_sdpa.fp8: the caller's scales are replicated). Any other sharding
 (a sequence or head_dim axis, or key/value sharded unlike the query) is resharded to that layout
 by the rule, never an error. Sequence parallelism is jax_sdpa.ring's job.
 
@@ -38,7 +39,8 @@ def _factors(config: CallSpec, groups: int):
             "output": f"b t {heads} hv", "lse": f"b {heads} t", "d_output": f"b t {heads} hv",
             "dq": f"b t {heads} h", "dk": "b s k h", "dv": "b s k hv", "bias": bias,
             "dbias": bias, "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "b t",
-            "kv_segment_ids": "b s", "dropout_seed": "seed", "sinks": heads}
+            "kv_segment_ids": "b s", "dropout_seed": "seed", "sinks": heads,
+            "fp8_factors": "fp8_factor fp8_row", "amaxes": "amax amax_row"}
 
 
 def _rule(config, groups, inputs, outputs):
@@ -48,7 +50,8 @@ def _rule(config, groups, inputs, outputs):
     used = list(dict.fromkeys(
         rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()))
     # In order of first appearance: Shardy wants special factors sorted by index.
-    replicated = tuple(f for f in used if f in ("t", "s", "h", "hv", "seed", "bias_b", "bias_n"))
+    replicated = tuple(f for f in used if f in ("t", "s", "h", "hv", "seed", "bias_b", "bias_n",
+                                                "fp8_factor", "fp8_row", "amax", "amax_row"))
     sizes = {"g": groups} if groups > 1 else {}
     return rule, replicated, sizes
 
@@ -90,7 +93,8 @@ def _specs(config, batch_axes, head_axes):
             "lse": PartitionSpec(b, n, None), "bias": bias, "dbias": bias,
             "q_lengths": PartitionSpec(b), "kv_lengths": PartitionSpec(b),
             "q_segment_ids": PartitionSpec(b, None), "kv_segment_ids": PartitionSpec(b, None),
-            "dropout_seed": PartitionSpec(None), "sinks": PartitionSpec(n)}
+            "dropout_seed": PartitionSpec(None), "sinks": PartitionSpec(n),
+            "fp8_factors": PartitionSpec(None, None), "amaxes": PartitionSpec(None, None)}
 
 
 def _per_shard_seed(arrays, names, sharded_axes):
@@ -124,6 +128,10 @@ def _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias):
             if reduce_over:
                 i = outputs.index("dbias")
                 results = (*results[:i], jax.lax.psum(results[i], reduce_over), *results[i + 1:])
+            if "amaxes" in outputs and sharded_axes:  # a tensor's amax is its shards' largest
+                i = outputs.index("amaxes")
+                results = (*results[:i], jax.lax.pmax(results[i], sharded_axes),
+                           *results[i + 1:])
             return results
         named = lambda name: NamedSharding(mesh, specs[name])  # noqa: E731
         return (mesh, lower_fn, tuple(named(n) for n in outputs),
@@ -165,6 +173,13 @@ def _folded(kernel_fn, inputs, axis_size, in_batched, arrays):
     unfolded = tuple(None if r is None else r.reshape(axis_size, -1, *r.shape[1:])
                      for r in results)
     return unfolded, tuple(True for _ in unfolded)
+
+
+def partitioned(kernel_fn, config, groups, inputs, outputs):
+    """kernel_fn(*arrays named `inputs`) -> arrays named `outputs` (_factors' names), with the
+    kernels' sharding rule and batching: for entry points with kernels of their own
+    (jax_sdpa.fp8)."""
+    return _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -189,3 +189,40 @@ def test_packed_rows_sharded_over_batch_run_per_device(kernel, stated, monkeypat
     single = jax.jit(step)(*args)
     for a, b in zip(sharded, single):  # bf16 rounds where XLA fuses differently per shard
         assert relative_error(a, b) < (1e-5 if implementation == "xla" else 1e-3)
+
+
+@pytest.mark.parametrize("layout", ["batch", "heads", "batch+heads"])
+def test_fp8_framework_call_shards_and_reduces_its_amaxes(layout):
+    """jax_sdpa.fp8 (the caller's scales, replicated) under batch/head sharding: each device
+    runs its shard, the amaxes (forward results and the backward's parameter cotangents) are
+    the maximum over the shards (an all-reduce, the only collective), and every result is the
+    single device's."""
+    from fp8_params import quantized_problem
+    from jax_sdpa import fp8
+
+    mesh_shape = max(mesh_shapes(), key=lambda s: min(s))
+    mesh = auto_mesh(mesh_shape, ("data", "model"))
+    q, k, v, d_out, _ = inputs("xla")
+    q8, k8, v8, do8, params, _ = quantized_problem(q, k, v, d_out, causal=True, scale=0.125)
+
+    def step(q8, k8, v8, do8, params):
+        def attention(q8, k8, v8, params):
+            return fp8.dot_product_attention(q8, k8, v8, fp8_params=params, scale=0.125,
+                                             mask_type="CAUSAL")
+        (out8, amax_s, amax_o), vjp = jax.vjp(attention, q8, k8, v8, params)
+        dq8, dk8, dv8, d_params = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
+        return (out8, amax_s, amax_o, dq8, dk8, dv8,
+                *(d_params[name] for name in fp8.AMAXES))
+    spec = {"batch": P("data"), "heads": P(None, None, "model"),
+            "batch+heads": P("data", None, "model")}[layout]
+    shardings = (*(NamedSharding(mesh, spec) for _ in range(4)), NamedSharding(mesh, P()))
+    args = (q8, k8, v8, do8, params)
+    found = compiled_collectives(step, args, shardings)
+    assert found <= {"all-reduce"}, f"unexpected collectives {found - {'all-reduce'}}"
+    sharded = jax.jit(step, in_shardings=shardings)(*args)
+    single = jax.jit(step)(*args)
+    names = ("out", "amax_s", "amax_o", "dq", "dk", "dv", *fp8.AMAXES)
+    for name, a, b in zip(names, sharded, single):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    assert all(float(x.reshape(())) > 0 for x in sharded[1:3] + sharded[6:])
