@@ -177,5 +177,5 @@ def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, pag
     operands = (query, key_cache, value_cache, q_lengths, kv_lengths, page_table)
     # The handler takes one problem: under vmap, one call per element.
     return _call_with_workspace("forward", config, result_types, operands,
-                                config.ffi_attributes(paged=True), "sequential",
+                                config.ffi_attributes(), "sequential",
                                 page_table.shape[-1] * key_cache.shape[1])

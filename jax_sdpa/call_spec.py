@@ -21,7 +21,7 @@ import numpy as np
 
 # Every array a kernel call can take, in the order the FFI and the sharding rules list them.
 INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
-          "kv_segment_ids", "dropout_seed", "sinks")
+          "kv_segment_ids", "dropout_seed", "sinks", "page_table")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 
@@ -82,6 +82,11 @@ class CallSpec:
     # FP8 attention (jax_sdpa/fp8_scaling.py's recipe): "" none, else the backward's format
     # ("e5m2" or "e4m3") for dO, dS and the gradients; Q, K, V, P and O are e4m3.
     fp8: str = ""
+    # Keys and values are page pools [P, page_size, K, H|Hv] read through a page_table input
+    # (int32 [B, max_pages]), forward only (paged_attention); with lengths, a bottom-right band
+    # is measured from each row's own lengths (query i at key kv_lengths - q_lengths + i), as
+    # cuDNN's padding mask measures it.
+    paged: bool = False
     # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
     # by its work (jax_sdpa/command_buffers.py, JAX_SDPA_COMMAND_BUFFERS).
     command_buffer: bool | None = None
@@ -125,10 +130,10 @@ class CallSpec:
                    "q_lengths": self.has_lengths, "kv_lengths": self.has_lengths,
                    "q_segment_ids": bool(self.segments),
                    "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed,
-                   "sinks": self.has_sinks}
+                   "sinks": self.has_sinks, "page_table": self.paged}
         return tuple(name for name in INPUTS if present[name])
 
-    def zero_fill(self, *, ragged: bool = False, paged: bool = False) -> str:
+    def zero_fill(self, *, ragged: bool = False) -> str:
         """What the handler makes of the elements cuDNN leaves unwritten (tokens past a length,
         or of no document) so that they are zeros: "tails", the tokens past each row's
         lengths, after cuDNN ran (the int32 [B, 2] tails operand); "all", every output before
@@ -138,28 +143,27 @@ class CallSpec:
         row that cover it up to its lengths (self-attention, one lengths array for both)."""
         if not (self.has_lengths or (ragged and self.segments == "cross")):
             return ""
-        if paged:
+        if self.paged:
             return "all"
         if ragged:
             return "tails" if self.segments == "self" and self.same_lengths else "all"
         return "tails" if self.window_left < 0 and not self.bottom_right else "all"
 
     def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
-                       paged: bool = False, poison_rows: bool = False) -> dict:
+                       poison_rows: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/attribute_list.h), all but
         command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call. ragged: the
         call runs packed documents (lengths per document, offsets); max_document_length:
-        (queries, keys) no document is longer than, 0 for the rows' lengths; paged: keys and
-        values are page pools read through a page table (forward only); poison_rows: an int32
+        (queries, keys) no document is longer than, 0 for the rows' lengths; poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN."""
-        zero_fill = self.zero_fill(ragged=ragged, paged=paged)
+        zero_fill = self.zero_fill(ragged=ragged)
         attributes = {name: _ATTRIBUTE_TYPES[_FIELD_TYPES[name]](getattr(self, name))
                       for name in _OWN_ATTRIBUTES}
         attributes.update(
             padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
             has_bias=bool(self.has_bias), bias_grad=bool(self.has_bias and self.bias_grad),
             max_document_length_q=np.int64(max_document_length[0]),
-            max_document_length_kv=np.int64(max_document_length[1]), paged=bool(paged),
+            max_document_length_kv=np.int64(max_document_length[1]), paged=self.paged,
             fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
             poison_rows=bool(poison_rows))

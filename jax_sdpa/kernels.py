@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, fp8_kernels, packing, reference_kernel, sink_softmax
-from jax_sdpa.reference import fill_empty_rows, mean_value
+from jax_sdpa.reference import fill_empty_rows, large_negative, mean_value
 
 
 def forward(config, inputs):
     if config.implementation == "xla":
         return reference_kernel.forward(config, inputs)
+    if config.paged:
+        return _paged_forward(config, inputs)
     plain = _without_sinks(inputs)
     if config.fp8:
         return fp8_kernels.forward(config, plain)
@@ -60,6 +62,23 @@ def backward(config, inputs, output, lse, d_output):
             d_output = jnp.where(kept[..., None], d_output, 0)
         return _packed_backward(config, inputs, output, lse, d_output)
     return tuple(_ffi.sdpa_backward(_without_sinks(inputs), output, lse, d_output, config))
+
+
+def _paged_forward(config, inputs):
+    """cuDNN's paged forward (paged_attention: forward only, one problem per call)."""
+    query, key_cache = inputs["query"], inputs["key"]
+    # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
+    # of the pool (the reference clamps the same way).
+    page_table = jnp.clip(inputs["page_table"], 0, key_cache.shape[0] - 1)
+    output, lse = _ffi.sdpa_paged_forward(query, key_cache, inputs["value"], inputs["q_lengths"],
+                                          inputs["kv_lengths"], page_table, config)
+    # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
+    # there is not the answer, and their lse must be the empty row's for the sinks.
+    seen = reference_kernel.paged_rows_seeing_keys(query.shape[1], inputs["kv_lengths"])
+    lse = jnp.where(seen[:, None, :], lse, large_negative())
+    if config.has_sinks:
+        output, lse = sink_softmax.apply(output, lse, inputs["sinks"])
+    return output, lse
 
 
 def _clear_rows_seeing_nothing(output, lse):

@@ -10,7 +10,7 @@ On an NVIDIA GPU this runs cuDNN's paged forward: the page table goes into the S
 (cuDNN >= 9.5), which reads each sequence's pages in place, with cuDNN's padding mask and
 bottom-right band measured from the actual lengths. Elsewhere (or where cuDNN cannot, with a
 warning on a GPU) the reference path gathers the pages, then runs attention with the same
-semantics.
+semantics. Both are the kernel layer's (jax_sdpa/kernels.py), for a CallSpec with paged set.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, command_buffers, planning, sink_softmax, validation
+from jax_sdpa import command_buffers, kernels, planning, reference_kernel, validation
 from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.reference import attention_reference, large_negative
 
 
 def _check_caches(key_cache, value_cache):
@@ -49,27 +48,6 @@ def _check_lengths_fit(kv_lengths, capacity, name):
                          f"{capacity}")
 
 
-def _gathered(cache, page_table):
-    """[B, max_pages * page_size, K, H]: each sequence's pages in order. Entries past a
-    sequence's last page may hold any value: clamped into the pool, their keys are masked."""
-    pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
-    gathered = cache[pages]  # [B, max_pages, page_size, K, H]
-    return gathered.reshape(gathered.shape[0], -1, *gathered.shape[3:])
-
-
-def _visible(q_seq_len, kv_seq_len, kv_lengths, window):
-    """bool [B, 1, T, S]: key j seen by query i of sequence b (position kv_lengths[b] - T + i):
-    j <= position, j < kv_lengths[b], and inside the window."""
-    position = kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]  # [B, T]
-    keys = jnp.arange(kv_seq_len)[None, None, :]
-    seen = (keys <= position[..., None]) & (keys < kv_lengths[:, None, None])
-    if window is not None:
-        left, right = window
-        seen &= keys >= position[..., None] - left
-        seen &= keys <= position[..., None] + right
-    return seen[:, None]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _forward_only(compute, *arrays):
     return compute(*arrays)
@@ -87,41 +65,26 @@ def _forward_only_bwd(*_):
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
-def _reference(scale, logits_soft_cap, window, query, key_cache, value_cache, page_table,
-               kv_lengths, sinks, has_rows):
-    del has_rows  # the caller zeroes those rows
-    key, value = _gathered(key_cache, page_table), _gathered(value_cache, page_table)
-    mask = _visible(query.shape[1], key.shape[1], kv_lengths, window)
-    output, _ = attention_reference(query, key, value, None, mask, scale=scale,
-                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
-    return output
-
-
-def _cudnn(config, query, key_cache, value_cache, page_table, kv_lengths, sinks, has_rows):
-    batch, q_seq_len = query.shape[:2]
-    q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
-    # Entries past a sequence's last page may hold anything: cuDNN must not follow them out
-    # of the pool (the reference clamps the same way).
-    page_table = jnp.clip(page_table, 0, key_cache.shape[0] - 1)
-    output, lse = _ffi.sdpa_paged_forward(query, key_cache, value_cache, q_lengths,
-                                            kv_lengths, page_table, config)
-    # Rows before a sequence's first key (kv_lengths[b] < T) see nothing: what cuDNN leaves
-    # there is not the answer, and their lse must be the empty row's for the sinks.
-    lse = jnp.where(has_rows[:, None, :], lse, large_negative())
-    if sinks is not None:
-        output, _ = sink_softmax.apply(output, lse, sinks)
-    return output
-
-
-def _cudnn_config(scale, window, q_seq_len, has_sinks):
+def _spec(implementation, scale, window, logits_soft_cap, q_seq_len, has_sinks):
     """The band: causal bottom-right (query i at kv_lengths[b] - T + i), a window's left bound
     from the same diagonal. One query with no window needs no band: the padding mask alone
     keeps it to its sequence's keys."""
     left = -1 if window is None else window[0]
     banded = q_seq_len > 1 or window is not None
     return CallSpec(scale=scale, window_left=left, window_right=0 if banded else -1,
-                        bottom_right=banded, has_lengths=True, has_sinks=has_sinks,
-                        command_buffer=command_buffers.command_buffers())
+                    bottom_right=banded, has_lengths=True, has_sinks=has_sinks,
+                    logits_soft_cap=logits_soft_cap or 0.0, paged=True,
+                    implementation=implementation,
+                    command_buffer=command_buffers.command_buffers())
+
+
+def _output(spec, query, key_cache, value_cache, page_table, kv_lengths, sinks):
+    inputs = dict(query=query, key=key_cache, value=value_cache,
+                  q_lengths=jnp.full((query.shape[0],), query.shape[1], jnp.int32),
+                  kv_lengths=kv_lengths, page_table=page_table)
+    if sinks is not None:
+        inputs["sinks"] = sinks
+    return kernels.forward(spec, inputs)[0]
 
 
 def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, scale=None,
@@ -184,18 +147,15 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     sinks = validation.checked_sinks(sinks, q_heads, query.dtype)
     if query.size == 0:  # no query: nothing for a kernel to do
         return jnp.zeros((batch, q_seq_len, q_heads, value_cache.shape[-1]), query.dtype)
-    # Query i of sequence b sits at kv_lengths[b] - T + i; before 0 it sees no key (zeros).
-    has_rows = (kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]) >= 0
     reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
                                    q_seq_len == 1 and window is not None)
-    if planning.use_cudnn(reason, implementation, query.dtype, "this paged_attention call"):
-        compute = functools.partial(_cudnn, _cudnn_config(scale, window, q_seq_len,
-                                                          sinks is not None))
-    else:
-        compute = functools.partial(_reference, scale, cap, window)
-    output = _forward_only(compute, query, key_cache, value_cache, page_table, kv_lengths, sinks,
-                           has_rows)
-    return jnp.where(has_rows[..., None, None], output, jnp.zeros((), output.dtype))
+    cudnn = planning.use_cudnn(reason, implementation, query.dtype, "this paged_attention call")
+    spec = _spec("cudnn" if cudnn else "xla", scale, window, cap, q_seq_len, sinks is not None)
+    output = _forward_only(functools.partial(_output, spec), query, key_cache, value_cache,
+                           page_table, kv_lengths, sinks)
+    # Query i of sequence b sits at kv_lengths[b] - T + i; before 0 it sees no key (zeros).
+    seen = reference_kernel.paged_rows_seeing_keys(q_seq_len, kv_lengths)
+    return jnp.where(seen[..., None, None], output, jnp.zeros((), output.dtype))
 
 
 def paged_kv_update(key_cache, value_cache, page_table, start, key, value, lengths=None):
