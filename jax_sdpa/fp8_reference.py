@@ -15,23 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import fp8_scaling as scaling
-from jax_sdpa.reference import combined_mask, large_negative
-
-
-def _expand_heads(x, heads):
-    return jnp.repeat(x, heads // x.shape[2], axis=2) if x.shape[2] != heads else x
-
-
-def _fold_heads(x, kv_heads):
-    """[B, S, N, H] per query head -> [B, S, K, H] per key head (sums each group)."""
-    batch, seq, heads, dim = x.shape
-    return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim).sum(3)
+from jax_sdpa.reference import combined_mask, fold_heads, large_negative, repeat_heads
 
 
 def _weights(config, inputs, q, k, lse=None):
     """(P float32 [B, N, T, S], lse [B, N, T]) from rounded q [B, T, N, H], k [B, S, K, H]:
     causal (top-left) and the key lengths mask."""
-    scores = jnp.einsum("btnh,bsnh->bnts", q, _expand_heads(k, q.shape[2])) * config.scale
+    scores = jnp.einsum("btnh,bsnh->bnts", q, repeat_heads(k, q.shape[2])) * config.scale
     keep = combined_mask(q.shape[1], k.shape[1], is_causal=config.window_right == 0,
                          key_value_seq_lengths=inputs.get("kv_lengths"))
     if keep is not None:
@@ -72,7 +62,7 @@ def forward_core(config, inputs, q, k, v, p_scale=scaling.P_SCALE):
     e4m3 with p_scale."""
     p, lse = _weights(config, inputs, q, k)
     p8 = scaling.round_trip(p, jnp.asarray(p_scale, jnp.float32), "e4m3")
-    out = jnp.einsum("bnts,bsnh->btnh", p8, _expand_heads(v, q.shape[2]))
+    out = jnp.einsum("bnts,bsnh->btnh", p8, repeat_heads(v, q.shape[2]))
     out = _zero_outside(out, query_rows(inputs, out.shape))
     return out, lse, jnp.max(p, axis=(-4, -3, -2, -1))
 
@@ -84,14 +74,14 @@ def backward_core(config, inputs, q, k, v, out8, lse, d_o, d_s_scale, fmt,
     kv_heads = k.shape[2]
     p, _ = _weights(config, inputs, q, k, lse)
     p8 = scaling.round_trip(p, jnp.asarray(p_scale, jnp.float32), "e4m3")
-    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, _expand_heads(v, q.shape[2]))
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_o, repeat_heads(v, q.shape[2]))
     row_sums = jnp.einsum("btnh,btnh->bnt", d_o, out8)
     d_s = config.scale * p * (d_p - row_sums[..., None])
     d_s_amax = scaling.amax(d_s)
     d_s = scaling.round_trip(d_s, d_s_scale, fmt)
-    dq = jnp.einsum("bnts,bsnh->btnh", d_s, _expand_heads(k, q.shape[2]))
-    dk = _fold_heads(jnp.einsum("bnts,btnh->bsnh", d_s, q), kv_heads)
-    dv = _fold_heads(jnp.einsum("bnts,btnh->bsnh", p8, d_o), kv_heads)
+    dq = jnp.einsum("bnts,bsnh->btnh", d_s, repeat_heads(k, q.shape[2]))
+    dk = fold_heads(jnp.einsum("bnts,btnh->bsnh", d_s, q), kv_heads)
+    dv = fold_heads(jnp.einsum("bnts,btnh->bsnh", p8, d_o), kv_heads)
     keys = _key_rows(inputs, k.shape)
     return (_zero_outside(dq, query_rows(inputs, q.shape)), _zero_outside(dk, keys),
             _zero_outside(dv, keys), d_s_amax)

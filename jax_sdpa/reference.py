@@ -18,6 +18,19 @@ import numpy as np
 __all__ = ["attention_reference"]
 
 
+def repeat_heads(x, heads):
+    """[B, S, K, H] -> [B, S, heads, H]: each key/value head repeated for its group of query
+    heads (GQA/MQA; the reference paths' one expansion)."""
+    return jnp.repeat(x, heads // x.shape[2], axis=2) if x.shape[2] != heads else x
+
+
+def fold_heads(x, kv_heads):
+    """[B, S, N, H] per query head -> [B, S, K, H] per key/value head (each group summed):
+    repeat_heads' transpose, for gradients."""
+    batch, seq, heads, dim = x.shape
+    return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim).sum(3)
+
+
 def mean_value(q_heads, value):
     """[B, N, Hv] float32: each of the q_heads query heads' plain average of all values [B, S,
     K, Hv], what a row that sees no key gives (jax.nn's convention: all its scores equal)."""
@@ -98,15 +111,13 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     before dropout.
     """
     batch, q_seq_len, q_heads, head_dim = query.shape
-    _, kv_seq_len, kv_heads, _ = key.shape
-    groups = q_heads // kv_heads
+    kv_seq_len = key.shape[1]
     # Scores, softmax and both products in float32 (float64 for float64 inputs, as jax.nn).
     compute = jnp.float64 if jnp.dtype(query.dtype) == jnp.float64 else jnp.float32
     precision = jax.lax.Precision.HIGHEST
     # Each query head against its key/value head, as four-axis products: XLA's CPU dot of a
     # five-axis grouped form rounds worse (1.6x jax.nn's error on scores, float32).
-    if groups > 1:
-        key, value = (jnp.repeat(x, groups, axis=2) for x in (key, value))
+    key, value = repeat_heads(key, q_heads), repeat_heads(value, q_heads)
     logits = jnp.einsum("btnh,bsnh->bnts", query, key, precision=precision,
                         preferred_element_type=compute) * jnp.asarray(scale, compute)
     if logits_soft_cap is not None:

@@ -18,6 +18,7 @@ from jax import lax
 from jax_sdpa import command_buffers, kernels
 from jax_sdpa import sink_softmax
 from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.reference import fold_heads, repeat_heads
 
 FULL, DIAGONAL, SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
 
@@ -77,9 +78,8 @@ def reference_block_backward(scores, kind, q, k, v, out, lse, d_out, kv_length=N
     """The float32 reference of cuDNN's block backward under given (global) out and lse."""
     scale, soft_cap = scores
     q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
-    b, s_len, kv_heads, _ = k.shape
-    groups = q.shape[2] // kv_heads
-    expand = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
+    kv_heads = k.shape[2]
+    expand = lambda x: repeat_heads(x, q.shape[2])  # noqa: E731
     hp = lax.Precision.HIGHEST
     logits = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
     capped = None
@@ -90,7 +90,7 @@ def reference_block_backward(scores, kind, q, k, v, out, lse, d_out, kv_length=N
         t, n = logits.shape[-2:]
         logits = jnp.where(jnp.tril(jnp.ones((t, n), bool)), logits, -jnp.inf)
     if kv_length is not None:
-        logits = jnp.where(jnp.arange(s_len) < kv_length, logits, -jnp.inf)
+        logits = jnp.where(jnp.arange(k.shape[1]) < kv_length, logits, -jnp.inf)
     p = jnp.exp(logits - lse[..., None])
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hp)
     dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=hp)
@@ -100,8 +100,7 @@ def reference_block_backward(scores, kind, q, k, v, out, lse, d_out, kv_length=N
         ds = ds * (1.0 - capped * capped)
     dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=hp) * scale
     dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hp) * scale
-    fold = lambda x: x.reshape(b, s_len, kv_heads, groups, x.shape[-1]).sum(3)  # noqa: E731
-    return dq, fold(dk), fold(dv)
+    return dq, fold_heads(dk, kv_heads), fold_heads(dv, kv_heads)
 
 
 def block_backward(implementation, scores, kind, q, k, v, out, lse, d_out, kv_length=None):
