@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh [pytest args...]     (BENCH=0 skips the benchmark; PACKED=1 adds
 #   the packed-rows benchmark, benchmarks/packed.py; MULTIPROCESS=1 the one-process-per-GPU
 #   check, scripts/multiprocess_check.py; SAVE_BUILD=1 sends the built extensions back under
-#   $OUT/ext, and PREBUILT=dir uses such a folder instead of building)
+#   $OUT/ext, and PREBUILT=dir uses such a folder instead of building; AGAINST=dir runs each
+#   benchmark first in another checkout whose built extensions are in dir/.ext, for before/after
+#   ratios in one call: scripts/compare_speed.py)
 # Carried wheels live in .whl/ (see docs/DEVELOPING.md); logs go to $OUT when it is set.
 set -uo pipefail
 out="${OUT:-/tmp/jax_sdpa_out}"
@@ -57,10 +59,25 @@ if [ "${MULTIPROCESS:-0}" = "1" ]; then
   # One process per visible GPU, jax.distributed on localhost (nvidia-h200-x2).
   python3 scripts/multiprocess_check.py --platform gpu 2>&1 | tail -30
 fi
+benchmark() {  # module, time limit, args: in $AGAINST first (if set), then here
+  local module=$1 limit=$2
+  shift 2
+  if [ -n "${AGAINST:-}" ]; then
+    mkdir -p "$out/against"
+    cp "$AGAINST"/.ext/*.so "$AGAINST/jax_sdpa/" || return 1
+    (cd "$AGAINST" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "$limit" \
+      python3 -m "benchmarks.$module" --out "$out/against" "$@" 2>&1 | tail -3)
+  fi
+  timeout "$limit" python3 -m "benchmarks.$module" --out "$out" "$@" 2>&1 | tail -45
+}
 if [ "${PACKED:-0}" = "1" ]; then
-  timeout "${PACKED_TIMEOUT:-600}" python3 -m benchmarks.packed --out "$out" ${PACKED_ARGS:-} 2>&1 | tail -45
+  benchmark packed "${PACKED_TIMEOUT:-600}" ${PACKED_ARGS:-}
 fi
 if [ "${BENCH:-1}" = "1" ]; then
-  python3 -m benchmarks.attention --out "$out" ${BENCH_ARGS:-} 2>&1 | tail -45
+  benchmark attention "${BENCH_TIMEOUT:-600}" ${BENCH_ARGS:-}
+fi
+if [ -n "${AGAINST:-}" ]; then
+  python3 scripts/compare_speed.py "$out/against" "$out"
+  rm -f "$out"/*.png "$out"/against/*.png "$out"/against/*.md  # $OUT brings back 8 files
 fi
 exit "$status"
