@@ -2,8 +2,9 @@
 
     python -m benchmarks.profile_calls [--only gpt2-seed --only llama3.1-s16k] [--trace DIR]
                                        [--impl jax_sdpa --impl "jax.nn cudnn"] [--config SPEC]
+                                       [--mode fwd]
 
-For each config, each implementation's chain of CALLS fwd+bwd calls inside one jit (the
+For each config, each implementation's chain of CALLS fwd+bwd (or forward) calls inside one jit (the
 benchmarks' method) runs once to compile and build, then once under jax.profiler; printed: the
 chain's wall time per call and, per call, the GPU time of every kernel, memset and copy by name
 (the trace shows each GPU kernel on two timelines on the H200: the figures here are halved for
@@ -28,21 +29,21 @@ from benchmarks.traces import kernel_table, kernel_times
 TIMELINES_PER_KERNEL = 2  # seen on the H200: each kernel appears on two GPU lines
 
 
-def profile(config, name, attention, directory):
+def profile(config, name, attention, directory, mode="fwd+bwd"):
     """Prints the chain's wall time per call and the GPU time per kernel name per call."""
     inputs = make_inputs(config, seed=0)
-    step = timed_functions(attention, config.causal)["fwd+bwd"]
+    step = timed_functions(attention, config.causal)[mode]
     jax.block_until_ready(step(inputs))  # compile, build graphs
     start = time.perf_counter()
     jax.block_until_ready(step(inputs))
     wall = (time.perf_counter() - start) / CALLS
-    trace_dir = os.path.join(directory, f"{config.name}-{name.replace(' ', '-')}")
+    trace_dir = os.path.join(directory, f"{config.name}-{name.replace(' ', '-')}-{mode}")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(step(inputs))
     totals, counts = kernel_times(trace_dir)
     per_call = TIMELINES_PER_KERNEL * CALLS
     busy = sum(totals.values()) / per_call
-    print(f"{config.name} | {name}: {wall * 1e3:.3f} ms per fwd+bwd call, GPU busy "
+    print(f"{config.name} | {name}: {wall * 1e3:.3f} ms per {mode} call, GPU busy "
           f"{busy / 1e3:.3f} ms of it in {sum(counts.values()) // per_call} kernels/copies",
           flush=True)
     print("\n".join(kernel_table(totals, counts, per=per_call)))
@@ -55,6 +56,7 @@ def main(argv=None):
     parser.add_argument("--only", action="append", default=[])
     parser.add_argument("--impl", action="append", default=[])
     parser.add_argument("--trace", default=None, help="keep the traces here")
+    parser.add_argument("--mode", choices=("fwd+bwd", "fwd"), default="fwd+bwd")
     args = parser.parse_args(argv)
     directory = args.trace or tempfile.mkdtemp(prefix="jax_sdpa_profile_")
     for config in ANCHOR_CONFIGS + [parse_config(text) for text in args.config]:
@@ -63,7 +65,7 @@ def main(argv=None):
         for name, attention in available(config).items():
             if (args.impl and name not in args.impl) or (not args.impl and name == "jax.nn xla"):
                 continue
-            profile(config, name, attention, directory)
+            profile(config, name, attention, directory, args.mode)
 
 
 if __name__ == "__main__":
