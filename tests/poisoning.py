@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from jax_sdpa import _extension
+from jax_sdpa import _extension, fp8, sharding_rules
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,6 +25,16 @@ def _poisoned_names() -> dict:
     return {name: f"{name}_poisoned" for name in registrations}
 
 
+def _forget_traces():
+    """A target's name is read when a call is traced, and JAX reuses a trace of the same
+    callable on the same shapes (the kernels' partitioned callables are cached per config): drop
+    both, so that a call traced on either side of the block's edge is traced afresh."""
+    for cached in (sharding_rules._forward_call, sharding_rules._backward_call,
+                   fp8._forward_call, fp8._backward_call):
+        cached.cache_clear()
+    jax.clear_caches()
+
+
 @contextlib.contextmanager
 def poison_outputs():
     """Calls traced inside this block run the poisoned twins of our targets."""
@@ -33,8 +43,10 @@ def poison_outputs():
 
     def poisoned_names():
         return {role: twins[name] for role, name in product_names().items()}
+    _forget_traces()
     _extension.target_names = poisoned_names
     try:
         yield
     finally:
         _extension.target_names = product_names
+        _forget_traces()
