@@ -10,14 +10,8 @@ import jax.numpy as jnp
 
 from jax_sdpa import kernel_vjp
 from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.reference import combined_mask, fill_empty_rows, mean_value
+from jax_sdpa.reference import combined_mask, fill_empty_rows, mask_to_bias, mean_value
 from jax_sdpa.validation import AttentionCall
-
-
-def mask_to_bias(mask, dtype):
-    """Boolean mask (True = attend) -> additive bias: 0 where attended, a large negative number
-    elsewhere, with room left to add a user's bias without overflowing the dtype."""
-    return jnp.where(mask, 0.0, -0.5 * float(jnp.finfo(dtype).max)).astype(dtype)
 
 
 def _dense_mask(call: AttentionCall, dense_segments: bool):

@@ -7,7 +7,8 @@
 inputs: the config's arrays by name (call_spec.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
 device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
-table can express the ids, else the exact blockwise reference (no [T, S] array anywhere); or,
+table can express the ids, else the exact fallback (packed_fallback.py: dense cuDNN calls per
+block of query rows; no [T, S] array anywhere); or,
 when the caller states the documents' bound, one ragged grid with no switch.
 """
 
@@ -18,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_kernels, packing, reference_kernel, sink_softmax
-from jax_sdpa.reference import fill_empty_rows, large_negative, mean_value
+from jax_sdpa import _ffi, fp8_kernels, packed_fallback, packing, reference_kernel, sink_softmax
+from jax_sdpa.reference import fill_empty_rows, large_negative, mean_value, mean_value_gradient
 
 
 def forward(config, inputs):
@@ -54,7 +55,7 @@ def backward(config, inputs, output, lse, d_output):
         return reference_kernel.backward(config, inputs, output, lse, d_output, forward_fn)
     if config.fp8:
         return fp8_kernels.backward(config, inputs, output, lse, d_output)
-    if config.segments:  # (its exact fallback recomputes the forward, with the sinks)
+    if config.segments:
         if config.has_sinks and _may_see_nothing(config):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the
             # packed backward would grade: nothing flows back through them.
@@ -190,7 +191,8 @@ def _ragged_backward(config, docs, grid, inputs, output, lse, d_output, poison_r
                                        config, _ragged_operands(inputs, docs, entries),
                                        max_document_length=bound, poison_rows=poison_rows)
     if uniform is not None:
-        extra = _mean_value_gradient(inputs, jnp.where(uniform[:, :, None, None], d_output, 0))
+        extra = mean_value_gradient(inputs["query"].shape[2], inputs["value"],
+                                    jnp.where(uniform[:, :, None, None], d_output, 0))
         dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
     return dq, dk, dv, None
 
@@ -222,10 +224,8 @@ def _packed_forward(config, inputs):
                                         poison_rows=broken)
         return output, jnp.where(broken[:, None, None], jnp.nan, lse)
     grids = _packed_grids(inputs, config)
-
-    def exact(inputs):
-        return reference_kernel.blockwise_forward(config, inputs)
     branches = [functools.partial(_ragged_forward, config, docs, grid) for grid in grids]
+    exact = functools.partial(packed_fallback.forward, config)
     return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs)
 
 
@@ -236,20 +236,8 @@ def _packed_backward(config, inputs, output, lse, d_output):
         return _ragged_backward(config, docs, _stated_grid(inputs, config), inputs, output,
                                 lse, d_output, poison_rows=broken)
     grids = _packed_grids(inputs, config)
-
-    def exact(inputs, output, lse, d_output):
-        return reference_kernel.backward(config, inputs, output, lse, d_output,
-                                         reference_kernel.blockwise_forward)
+    exact = functools.partial(packed_fallback.backward, config)
     branches = [functools.partial(_ragged_backward, config, docs, grid) for grid in grids]
     return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs, output, lse,
                           d_output)
 
-
-def _mean_value_gradient(inputs, d_output):
-    """d/dV of rows that are the mean of all values: [B, S, K, Hv] float32, every key alike."""
-    value = inputs["value"]
-    batch, kv_seq_len, kv_heads, head_dim_v = value.shape
-    groups = inputs["query"].shape[2] // kv_heads
-    per_head = jnp.sum(d_output.astype(jnp.float32), axis=1)  # [B, N, Hv]
-    per_kv_head = per_head.reshape(batch, kv_heads, groups, head_dim_v).sum(2) / kv_seq_len
-    return jnp.broadcast_to(per_kv_head[:, None], value.shape)

@@ -1,7 +1,7 @@
 """Planning a call: whether cuDNN can run it (and its backward), and if so its CallSpec refined
 for cuDNN (an equivalent band, the operands' layout, the implementation); if not, why, in one
-sentence a user can act on. dot_product_attention and jax_sdpa.ring both decide here, so both warn (or,
-with implementation="cudnn", raise) the same way.
+sentence a user can act on. dot_product_attention and jax_sdpa.ring both decide here, so both
+warn (or, with implementation="cudnn", raise) the same way.
 """
 
 from __future__ import annotations

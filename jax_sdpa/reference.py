@@ -38,6 +38,15 @@ def mean_value(q_heads, value):
     return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
 
 
+def mean_value_gradient(q_heads, value, d_output):
+    """d/dV [B, S, K, Hv] float32 of rows that are the mean of all values (mean_value), given
+    their cotangents d_output [B, T, N, Hv] (zero elsewhere): every key alike."""
+    batch, kv_seq_len, kv_heads, head_dim_v = value.shape
+    per_head = jnp.sum(d_output.astype(jnp.float32), axis=1)  # [B, N, Hv]
+    per_kv_head = per_head.reshape(batch, kv_heads, q_heads // kv_heads, head_dim_v).sum(2)
+    return jnp.broadcast_to((per_kv_head / kv_seq_len)[:, None], value.shape)
+
+
 def fill_empty_rows(output, lse, empty, fill):
     """output [B, T, N, Hv] and lse [B, N, T] with the rows `empty` (bool, broadcastable to
     [B, N, T]) holding `fill` (broadcastable to [B, T, N, Hv]: 0, or the average of the values)
@@ -50,6 +59,12 @@ def fill_empty_rows(output, lse, empty, fill):
 def large_negative() -> float:
     # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
     return -0.7 * float(np.finfo(np.float32).max)
+
+
+def mask_to_bias(mask, dtype):
+    """Boolean mask (True = attend) -> additive bias: 0 where attended, a large negative number
+    elsewhere, with room left to add a user's bias without overflowing the dtype."""
+    return jnp.where(mask, 0.0, -0.5 * float(jnp.finfo(dtype).max)).astype(dtype)
 
 
 def combined_mask(q_seq_len, kv_seq_len, *, mask=None, is_causal=False,

@@ -5,9 +5,9 @@ residual).
 It serves three purposes: the "xla" implementation of the kernel layer, so the sharding rules
 (jax_sdpa/sharding_rules.py) run and are tested on any backend (CI checks on 8 CPU devices that a
 sharded call compiles to per-device kernels with no collectives, with exactly the code path the
-GPU runs, only the kernel swapped); the backward of a cuDNN forward whose backward cuDNN cannot
-run; and, query block by query block, the exact fallback of packed segment ids that the ragged
-layout cannot express (memory O(block x S), never [T, S]).
+GPU runs, only the kernel swapped); and the backward of a cuDNN forward whose backward cuDNN
+cannot run, for packed segment ids query block by query block (memory O(block x S), never
+[T, S]).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 With query/key/value sharded over batch and/or heads (data, tensor or FSDP-style parallelism),
 each device runs the kernel on its own shard: no collective in the forward or backward, except
 the sum of a broadcast bias's gradient over the devices that share the bias, and the maximum
-of an FP8 call's amaxes over the shards (jax_sdpa.fp8: the caller's scales are replicated). Any other sharding
-(a sequence or head_dim axis, or key/value sharded unlike the query) is resharded to that layout
-by the rule, never an error. Sequence parallelism is jax_sdpa.ring's job.
+of an FP8 call's amaxes over the shards (jax_sdpa.fp8: the caller's scales are replicated).
+Any other sharding (a sequence or head_dim axis, or key/value sharded unlike the query) is
+resharded to that layout by the rule, never an error. Sequence parallelism is jax_sdpa.ring's job.
 
 Layers, outside in: custom_vmap (under vmap the kernel's own batching runs: JAX's
 custom_partitioning has no batching rule) -> custom_partitioning (the rule) -> the kernel

@@ -4,9 +4,10 @@ It reads the ragged operands exactly as cuDNN does (each document's element offs
 flattened q/k/v/o/lse and its lengths; a causal band or window measured from the document's
 first token) and leaves what cuDNN leaves: tokens of no document are zero when the call asks the
 handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Dense
-(non-ragged) calls go to the reference kernel. Any disagreement between the packed path's
-bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py) and the segment-id semantics shows up
-against the reference without a GPU.
+(non-ragged) calls go to the reference kernel, their backward reading the lse it is given. Any
+disagreement between the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
+jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
+without a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, reference_kernel
+from jax_sdpa.reference import fold_heads, repeat_heads
 
 
 def _token_documents(starts, lengths, total):
@@ -100,10 +102,38 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     return _poisoned(out, poison_rows), lse
 
 
+def _dense_backward(inputs, output, lse, d_output, config):
+    """A dense call's backward as cuDNN computes it, from the output and lse it is given: the
+    weights exp(scores + bias - lse), dS = P (dP - rowsum(dO O)); so an lse that is not the
+    forward's, or one no exp can take, shows here as it would on the GPU. Calls with a band,
+    lengths, dropout, soft-cap or a bias gradient take the reference's recomputing backward."""
+    if (config.banded or config.has_lengths or config.dropout or config.logits_soft_cap or
+            config.bias_grad):
+        return reference_kernel.backward(config, inputs, output, lse, d_output)
+    query = inputs["query"]
+    q, k, v, o, d_o = (x.astype(jnp.float32) for x in (query, inputs["key"], inputs["value"],
+                                                         output, d_output))
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k, v = repeat_heads(k, heads), repeat_heads(v, heads)
+    highest = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, precision=highest) * config.scale
+    if inputs.get("bias") is not None:
+        scores = scores + inputs["bias"].astype(jnp.float32)
+    weights = jnp.exp(scores - lse[..., None])
+    d_weights = jnp.einsum("btnh,bsnh->bnts", d_o, v, precision=highest)
+    row_dot = jnp.swapaxes(jnp.sum(d_o * o, axis=-1), 1, 2)  # [B, N, T]
+    d_scores = weights * (d_weights - row_dot[..., None])
+    dq = jnp.einsum("bnts,bsnh->btnh", d_scores, k, precision=highest) * config.scale
+    dk = jnp.einsum("bnts,btnh->bsnh", d_scores, q, precision=highest) * config.scale
+    dv = jnp.einsum("bnts,btnh->bsnh", weights, d_o, precision=highest)
+    return (dq.astype(query.dtype), fold_heads(dk, kv_heads).astype(inputs["key"].dtype),
+            fold_heads(dv, kv_heads).astype(inputs["value"].dtype), None)
+
+
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
                   max_document_length=(0, 0), poison_rows=None):
     if ragged_operands is None:
-        return reference_kernel.backward(config, inputs, output, lse, d_output)
+        return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
 
     def primal(query, key, value):

@@ -17,7 +17,7 @@ LAYERS = [
     {"kernel_vjp"},                                      # forward + backward as custom_vjp
     {"sharding_rules"},                                  # custom_partitioning / custom_vmap
     {"kernels"},                                         # the kernel switch, packed layout
-    {"_ffi", "reference_kernel", "packing",               # FFI, reference, tables
+    {"_ffi", "reference_kernel", "packing", "packed_fallback",  # FFI, reference, tables
      "sink_softmax", "fp8_kernels", "fp8_reference"},    # sinks; FP8 on cuDNN, its reference
     {"reference", "validation", "call_spec", "_warnings", "versions",  # leaves
      "_extension", "command_buffers", "varying", "fp8_scaling"},

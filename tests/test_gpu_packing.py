@@ -152,6 +152,34 @@ def test_non_contiguous_ids_take_the_exact_path():
           is_causal=True, max_segments=2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["causal", "window_gqa", "key_lengths", "sinks"])
+def test_exact_fallback_in_blocks(case, dtype, monkeypatch):
+    """The exact fallback (jax_sdpa/packed_fallback.py) in blocks of 100 query rows (which do
+    not divide T), poisoned: every element written, and the reference's values and gradients,
+    rows that see no key (cut off by the key lengths: the values' mean, or the sink's) included."""
+    from jax_sdpa import packed_fallback  # noqa: PLC0415
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 100)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    rng = np.random.default_rng(7)
+    kv_heads = 2 if case == "window_gqa" else 4
+    q, k, v, d_out = random_qkv(36, 2, 520, 520, 4, kv_heads, 64, dtype)
+    ids = np.array(packed_ids(rng, 2, 520, low=40, high=100))
+    ids[:, 300:350] = ids[:, :1]  # reuses each row's first id: the table cannot hold it
+    kwargs = dict(query_segment_ids=jnp.asarray(ids), is_causal=case != "window_gqa")
+    if case == "window_gqa":
+        kwargs["local_window_size"] = (70, 10)
+    if case in ("key_lengths", "sinks"):
+        kwargs["query_seq_lengths"] = jnp.array([520, 400], jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.array([200, 450], jnp.int32)
+    if case == "sinks":
+        kwargs["sinks"] = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    with poison_outputs():
+        ours = check(q, k, v, d_out, case, **kwargs)
+    for name, x in zip(("output", "dq", "dk", "dv"), ours):
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+
+
 def test_one_query_one_key_backward_takes_the_reference():
     """cuDNN's backward refuses T = S = 1: the default call's backward runs the reference (with
     a warning); implementation='cudnn' refuses up front."""

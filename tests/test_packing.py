@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, kernels, packing, planning
+from jax_sdpa import _ffi, kernels, packed_fallback, packing, planning
 import ragged_emulator
 from conftest import relative_error
 
@@ -92,6 +92,41 @@ def test_self_packed_matches_segment_semantics(rows, mask, emulated_cudnn_every_
     kwargs = dict(query_segment_ids=ids, is_causal=mask == "causal",
                   local_window_size=(5, 2) if mask == "window" else None)
     out, lse, lse_ref = check(*qkv(len(rows)), **kwargs)
+    assert relative_error(lse, lse_ref) < 1e-2
+
+
+FALLBACK_CASES = {
+    "reused_id_causal": dict(rows="reused_id", is_causal=True),
+    "reused_id_gqa_full": dict(rows="reused_id", kv_heads=1, head_dim_v=16),
+    # Rows whose keys the key lengths cut off: the values' mean; rows past the query lengths
+    # and an entry without keys: zeros.
+    "cross_window_lengths": dict(
+        rows="reused_id", kv_row=runs((10, 1), (10, 2), (20, 3)), local_window_size=(6, 2),
+        query_seq_lengths=jnp.array([40, 30], jnp.int32),
+        key_value_seq_lengths=jnp.array([12, 0], jnp.int32)),
+    # More documents than slots, with sinks: rows cut off by the key lengths are the sink's.
+    "too_many_documents_sinks": dict(
+        rows="contiguous", max_segments=2, is_causal=True,
+        key_value_seq_lengths=jnp.array([8, 48], jnp.int32),
+        sinks=jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACK_CASES))
+def test_fallback_in_blocks_matches_segment_semantics(case, emulated_cudnn, monkeypatch):
+    """The exact fallback (jax_sdpa/packed_fallback.py: ids the table cannot express) in
+    blocks of 7 query rows, which do not divide T: output, lse and every gradient are the
+    reference's, rows that see no key included."""
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 7)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    kwargs = dict(FALLBACK_CASES[case])
+    ids = jnp.asarray(np.stack(ROWS[kwargs.pop("rows")]))
+    kv_row = kwargs.pop("kv_row", None)
+    shape = {name: kwargs.pop(name) for name in ("kv_heads", "head_dim_v") if name in kwargs}
+    if kv_row is not None:
+        kwargs["kv_segment_ids"] = jnp.asarray(np.stack([kv_row, kv_row[::-1]]))
+        shape["kv_seq"] = len(kv_row)
+    _, lse, lse_ref = check(*qkv(12, **shape), query_segment_ids=ids, **kwargs)
     assert relative_error(lse, lse_ref) < 1e-2
 
 
@@ -202,10 +237,12 @@ def test_vmap_folds_into_one_packed_call(emulated_cudnn):
 
 
 def test_packed_lowering_has_no_score_sized_array(monkeypatch):
-    """No [T, S] intermediate anywhere in the packed fwd+bwd for CUDA: the ragged branch works
-    per token, the exact fallback per query block."""
+    """No [T, S] intermediate anywhere in the packed fwd+bwd for CUDA once T x S passes the
+    fallback's block budget (packed_fallback._BIAS_ELEMENTS): the ragged branch works per
+    token, the exact fallback per query block. And no matmul of ours: every branch is cuDNN
+    (a reference's matmuls would cost XLA's autotuning in every checked call's compile)."""
     monkeypatch.setattr(planning, "device_reason", lambda: None)
-    t = 4096
+    t = 8192
     q = jnp.zeros((1, t, 4, 64), jnp.bfloat16)
     ids = jnp.zeros((1, t), jnp.int32)
     grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
@@ -213,12 +250,13 @@ def test_packed_lowering_has_no_score_sized_array(monkeypatch):
         implementation="cudnn").astype(jnp.float32).sum())
     text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     assert f"x{t}x{t}x" not in text and f"{t}x{t}xi1" not in text
+    assert "dot_general" not in text
 
 
 @pytest.mark.parametrize("case", ["self_causal", "cross_window_lengths"])
 def test_blockwise_fallback_is_the_reference(case):
-    """The exact fallback, block by block (a block that does not divide T), against the whole
-    reference: values and gradients."""
+    """The blockwise reference (a packed call's backward where cuDNN has none), block by block
+    (a block that does not divide T), against the whole reference: values and gradients."""
     from jax_sdpa import reference_kernel  # noqa: PLC0415
     from jax_sdpa.call_spec import CallSpec  # noqa: PLC0415
     q, k, v, d_out = (x.astype(jnp.float32) for x in qkv(10, kv_seq=S))

@@ -1,0 +1,142 @@
+"""The exact fallback of packed segment ids on cuDNN, for rows the document table cannot
+express (a document split into runs, more documents than slots): blocks of query rows against
+every key, each block one dense cuDNN call whose segment ids, band and lengths arrive as a
+[B, 1, block, S] bias. Memory O(block x S), never [T, S]; two cuDNN graphs whatever the ids,
+and no reference in the compiled program (its matmuls cost seconds of XLA autotuning in every
+checked packed call, which compiles this branch beside its ragged ones).
+
+The rows come out as the reference gives them (jax_sdpa/reference.py): a row that sees no key
+is the mean of all values, rows past the query lengths and rows of an entry without keys are
+zeros, their lse the empty row's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import _ffi
+from jax_sdpa.reference import (combined_mask, fill_empty_rows, mask_to_bias, mean_value,
+                                mean_value_gradient)
+
+# Query rows per block: the block's bias and mask hold batch x block x S elements; about this
+# many at most (a bfloat16 bias of 64 MiB), but never fewer rows than _MIN_BLOCK (or T): a
+# call per handful of rows would spend its time launching.
+_BIAS_ELEMENTS = 1 << 25
+_MIN_BLOCK = 64
+
+
+def _dense_spec(config):
+    """The blocks' calls: the packed call's scale and determinism, every mask in the bias."""
+    if config.dropout:
+        raise ValueError("the packed fallback takes no dropout (planning sends dropout to the "
+                         "reference)")
+    return dataclasses.replace(
+        config, window_left=-1, window_right=-1, bottom_right=False, has_bias=True,
+        bias_batch_full=True, bias_heads_full=False, bias_grad=False, has_lengths=False,
+        same_lengths=False, segments="", max_segments=0, max_document_length=(),
+        has_sinks=False)
+
+
+class _Blocks:
+    """The call's query rows cut into blocks: [B, T, ...] <-> [blocks, B, block, ...]."""
+
+    def __init__(self, inputs):
+        batch, self.q_seq_len = inputs["query"].shape[:2]
+        kv_seq_len = inputs["key"].shape[1]
+        self.size = min(self.q_seq_len,
+                        max(_MIN_BLOCK, _BIAS_ELEMENTS // (batch * kv_seq_len)))
+        self.count = -(-self.q_seq_len // self.size)
+
+    def split(self, x, axis=1):
+        """x's axis `axis` (T) cut into blocks, padded past T; the blocks first."""
+        x = jnp.moveaxis(x, axis, 1)
+        pad = self.count * self.size - self.q_seq_len
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], self.count, self.size, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, axis + 1)
+
+    def join(self, x, axis=1):
+        """split's inverse: [blocks, ...] -> x with T at `axis`."""
+        x = jnp.moveaxis(jnp.moveaxis(x, axis + 1, 2), 0, 1)
+        x = x.reshape(x.shape[0], self.count * self.size, *x.shape[3:])[:, :self.q_seq_len]
+        return jnp.moveaxis(x, 1, axis)
+
+
+def _seen(config, inputs, ids_block, first):
+    """bool [B, 1, block, S]: the keys each of the block's rows (first, first + 1, ...) sees,
+    and bool [B, 1, block]: whether the row holds the mean of all values if it sees none
+    (within the query lengths, in an entry with keys), else zeros."""
+    batch, q_seq_len = inputs["query"].shape[:2]
+    kv_seq_len = inputs["key"].shape[1]
+    block = ids_block.shape[1]
+    q_lengths, kv_lengths = inputs.get("q_lengths"), inputs.get("kv_lengths")
+    if q_lengths is None:
+        q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
+    # Rows past T (the last block's padding) are past the lengths too.
+    q_lengths = jnp.clip(q_lengths - first, 0, block)
+    seen = combined_mask(
+        block, kv_seq_len, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        local_window_size=config.window(),
+        diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len) + first,
+        query_segment_ids=ids_block,
+        kv_segment_ids=inputs.get("kv_segment_ids", inputs["q_segment_ids"]))
+    averaged = jnp.arange(block)[None, :] < q_lengths[:, None]
+    if kv_lengths is not None:
+        averaged &= (kv_lengths > 0)[:, None]
+    return jnp.broadcast_to(seen, (batch, 1, block, kv_seq_len)), averaged[:, None, :]
+
+
+def forward(config, inputs):
+    """(output [B, T, N, Hv], lse float32 [B, N, T]) of a packed call's inputs (no sinks)."""
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    q_heads = query.shape[2]
+    blocks, dense = _Blocks(inputs), _dense_spec(config)
+    average = mean_value(q_heads, value)[:, None]  # [B, 1, N, Hv]
+
+    def one_block(args):
+        q_block, ids_block, index = args
+        seen, averaged = _seen(config, inputs, ids_block, index * blocks.size)
+        output, lse = _ffi.sdpa_forward(
+            dict(query=q_block, key=key, value=value, bias=mask_to_bias(seen, query.dtype)),
+            dense)
+        empty = ~jnp.any(seen, axis=-1)  # [B, 1, block]
+        output, lse = fill_empty_rows(output, lse, empty, average)
+        zeros = jnp.swapaxes(empty & ~averaged, 1, 2)[..., None]  # [B, block, 1, 1]
+        return jnp.where(zeros, jnp.zeros((), output.dtype), output), lse
+    output, lse = jax.lax.map(one_block, (blocks.split(query), blocks.split(
+        inputs["q_segment_ids"]), jnp.arange(blocks.count)))
+    return blocks.join(output), blocks.join(lse, axis=2)
+
+
+def backward(config, inputs, output, lse, d_output):
+    """(dq, dk, dv, None): forward's gradients, given its output and lse (a sink attention's,
+    as every cuDNN backward takes them: jax_sdpa/sink_softmax.py)."""
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    q_heads = query.shape[2]
+    blocks, dense = _Blocks(inputs), _dense_spec(config)
+
+    def one_block(carry, args):
+        dk_sum, dv_sum = carry
+        q_block, ids_block, out_block, lse_block, d_out_block, index = args
+        seen, averaged = _seen(config, inputs, ids_block, index * blocks.size)
+        empty = ~jnp.any(seen, axis=-1)  # [B, 1, block]
+        empty_rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, block, 1, 1]
+        # Rows that see no key are not cuDNN's to grade, and their lse (the empty row's, a
+        # huge negative) must not reach its exp(scores - lse): 0 there, with no cotangent.
+        dq, dk, dv, _ = _ffi.sdpa_backward(
+            dict(query=q_block, key=key, value=value, bias=mask_to_bias(seen, query.dtype)),
+            out_block, jnp.where(empty, 0.0, lse_block),
+            jnp.where(empty_rows, jnp.zeros((), d_out_block.dtype), d_out_block), dense)
+        mean_rows = jnp.swapaxes(empty & averaged, 1, 2)[..., None]
+        dv_mean = mean_value_gradient(q_heads, value, jnp.where(mean_rows, d_out_block, 0))
+        return (dk_sum + dk.astype(jnp.float32),
+                dv_sum + dv.astype(jnp.float32) + dv_mean), dq
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    (dk, dv), dq = jax.lax.scan(one_block, (zeros(key), zeros(value)), (
+        blocks.split(query), blocks.split(inputs["q_segment_ids"]), blocks.split(output),
+        blocks.split(lse, axis=2), blocks.split(d_output.astype(output.dtype)),
+        jnp.arange(blocks.count)))
+    return blocks.join(dq), dk.astype(key.dtype), dv.astype(value.dtype), None
