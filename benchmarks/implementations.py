@@ -9,7 +9,7 @@ import jax_sdpa
 
 
 @contextlib.contextmanager
-def _command_buffers(value):
+def command_buffers_mode(value):
     """Traces inside use jax_sdpa's command-buffer targets for every call ("1") or none ("0");
     outside, each call by its work (the default)."""
     previous = os.environ.get("JAX_SDPA_COMMAND_BUFFERS")
@@ -41,7 +41,7 @@ def _jax_sdpa_fp8(q, k, v, causal):
 
 def _jax_sdpa_in_mode(value):
     def attention(q, k, v, causal):
-        with _command_buffers(value):
+        with command_buffers_mode(value):
             return _jax_sdpa(q, k, v, causal)
     return attention
 

@@ -17,7 +17,9 @@ in one process, interleaved rounds, a straight-line chain of CALLS calls inside 
 - jax.nn cudnn with the equivalent dense [B, 1, T, S] mask;
 - varlen_attention stated: jax_sdpa.varlen_attention on [total_tokens, N, H] with cumulative
   lengths and max_seqlen_q the longest document (flash-attn's varlen convention);
-- flash-attn3-jax flash_mha_varlen on the same arrays, if installed.
+- flash-attn3-jax flash_mha_varlen on the same arrays, if installed;
+- ragged cmdbuf, only when named (--impl): the checked call on our command-buffer targets,
+  to run under XLA_FLAGS that record conditionals into command buffers.
 Plus XLA's compiled temporary memory of the fwd+bwd step (ragged, dense ids) at the long config.
 Writes packed.md and packed.json.
 """
@@ -38,6 +40,7 @@ import numpy as np
 import jax_sdpa
 from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
+from benchmarks.implementations import command_buffers_mode
 
 N_HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
 
@@ -92,6 +95,9 @@ def make_inputs(config, seed):
                   for j in range(4)) for i in range(CALLS)]
 
 
+OPT_IN = ("ragged cmdbuf",)  # run only when --impl names them
+
+
 def implementations(config, tight=True):
     """{name: f(q, k, v) -> output [B, T, N, H]}."""
     with_tight = tight
@@ -100,6 +106,7 @@ def implementations(config, tight=True):
         "ragged": lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn"),
     }
+    found["ragged cmdbuf"] = _in_command_buffers(found["ragged"])
     tight = config.documents()
     if with_tight and tight != jax_sdpa.validation.DEFAULT_MAX_SEGMENTS:
         found[f"ragged M={tight}"] = lambda q, k, v: jax_sdpa.dot_product_attention(
@@ -123,6 +130,16 @@ def implementations(config, tight=True):
     if flash_mha_varlen is not None:
         found["flash-attn3-jax varlen"] = _varlen(config, flash_mha_varlen)
     return found
+
+
+def _in_command_buffers(attention):
+    """attention traced with every call on our command-buffer targets
+    (JAX_SDPA_COMMAND_BUFFERS=1): with XLA's CONDITIONAL command buffers enabled, the checked
+    call's lax.switch may then run on the device, without its index's copy to the host."""
+    def traced(q, k, v):
+        with command_buffers_mode("1"):
+            return attention(q, k, v)
+    return traced
 
 
 def stated(config, ids):
@@ -198,7 +215,8 @@ def timed_functions(attention):
 def bench(config, rounds, tight=True, only=()):
     inputs = make_inputs(config, seed=0)
     chosen = {name: attention for name, attention in implementations(config, tight).items()
-              if not only or name in only or name == "per-document bound"}
+              if name in only or name == "per-document bound" or
+              (not only and name not in OPT_IN)}
     jitted = {(name, mode): fn for name, attention in chosen.items()
               for mode, fn in timed_functions(attention).items()}
     first, fns = {}, {}
