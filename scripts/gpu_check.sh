@@ -70,11 +70,15 @@ benchmark() {  # module, time limit, args: in $AGAINST first (if set), then here
   fi
   timeout "$limit" python3 -m "benchmarks.$module" --out "$out" "$@" 2>&1 | tail -45
 }
+# PACKED_ARGS and BENCH_ARGS are read as shell words, so quotes group them:
+# PACKED_ARGS="--impl 'ragged stated'".
 if [ "${PACKED:-0}" = "1" ]; then
-  benchmark packed "${PACKED_TIMEOUT:-600}" ${PACKED_ARGS:-}
+  eval "packed_args=(${PACKED_ARGS:-})"
+  benchmark packed "${PACKED_TIMEOUT:-600}" "${packed_args[@]}"
 fi
 if [ "${BENCH:-1}" = "1" ]; then
-  benchmark attention "${BENCH_TIMEOUT:-600}" ${BENCH_ARGS:-}
+  eval "bench_args=(${BENCH_ARGS:-})"
+  benchmark attention "${BENCH_TIMEOUT:-600}" "${bench_args[@]}"
 fi
 if [ -n "${AGAINST:-}" ]; then
   python3 scripts/compare_speed.py "$out/against" "$out"
