@@ -3,8 +3,10 @@
 It reads the ragged operands exactly as cuDNN does (each document's element offsets into the
 flattened q/k/v/o/lse and its lengths; a causal band or window measured from the document's
 first token) and leaves what cuDNN leaves: tokens of no document are zero when the call asks the
-handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Dense
-(non-ragged) calls go to the reference kernel, their backward reading the lse it is given. Any
+handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Its
+backward computes from the output and lse it is given, as cuDNN's does (a sink attention's
+gradient, given the sink attention's output and lse). Dense (non-ragged) calls go to the
+reference kernel, their backward reading the lse likewise. Any
 disagreement between the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
 jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
 without a GPU.
@@ -26,14 +28,16 @@ def _token_documents(starts, lengths, total):
     return jnp.where(jnp.any(inside, axis=0), jnp.argmax(inside, axis=0), -1)
 
 
-def _ragged_attention(query, key, value, config, ragged_operands, max_document_length):
-    """(output [B, T, N, Hv] float32, lse [B, T, N], covered [B*T] bool)."""
+def _ragged_scores(query, key, config, ragged_operands, max_document_length):
+    """(scaled scores [N, B*T, B*S] float32, visible bool [B*T, B*S], q_covered bool [B*T],
+    kv_covered bool [B*S], too_long bool []): each query token against each key token of its
+    document, as the ragged operands lay them out."""
     q_lengths, kv_lengths, offsets = ragged_operands
     bound_q, bound_kv = max_document_length  # cuDNN would read past a document longer than these
     too_long = (jnp.max(q_lengths) > (bound_q or query.shape[1])) | (
         jnp.max(kv_lengths) > (bound_kv or key.shape[1]))
     batch, q_seq_len, q_heads, head_dim = query.shape
-    _, kv_seq_len, kv_heads, head_dim_v = value.shape
+    _, kv_seq_len, kv_heads, _ = key.shape
     documents = q_lengths.shape[0]
     q_starts = offsets[0, :documents] // (q_heads * head_dim)
     kv_starts = offsets[1, :documents] // (kv_heads * head_dim)
@@ -46,22 +50,59 @@ def _ragged_attention(query, key, value, config, ragged_operands, max_document_l
         visible &= kv_rel[None, :] <= q_rel[:, None] + config.window_right
     if config.window_left >= 0:
         visible &= kv_rel[None, :] >= q_rel[:, None] - config.window_left
-    groups = q_heads // kv_heads
-    q = query.reshape(batch * q_seq_len, q_heads, head_dim).astype(jnp.float32)
-    k = jnp.repeat(key.reshape(batch * kv_seq_len, kv_heads, head_dim), groups, axis=1)
-    v = jnp.repeat(value.reshape(batch * kv_seq_len, kv_heads, head_dim_v), groups, axis=1)
-    scores = jnp.einsum("tnh,snh->nts", q, k.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) * config.scale
+    q = _tokens(query).astype(jnp.float32)
+    k = repeat_heads(_tokens(key)[None], q_heads)[0].astype(jnp.float32)
+    scores = jnp.einsum("tnh,snh->nts", q, k, precision=jax.lax.Precision.HIGHEST) * config.scale
+    return scores, visible, q_doc >= 0, kv_doc >= 0, too_long
+
+
+def _tokens(x):
+    """[B, L, heads, dim] -> [B * L, heads, dim]: the ragged layout's flattened tokens."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _ragged_attention(query, key, value, config, ragged_operands, max_document_length):
+    """(output [B, T, N, Hv] float32, lse [B, T, N], covered [B*T] bool)."""
+    batch, q_seq_len, q_heads, _ = query.shape
+    head_dim_v = value.shape[-1]
+    scores, visible, q_covered, kv_covered, too_long = _ragged_scores(
+        query, key, config, ragged_operands, max_document_length)
+    v = repeat_heads(_tokens(value)[None], q_heads)[0].astype(jnp.float32)
     scores = jnp.where(visible[None], scores, -jnp.inf)
     any_visible = jnp.any(visible, axis=1)[None, :, None]
     safe = jnp.where(any_visible, scores, 0.0)
     probs = jnp.where(any_visible, jax.nn.softmax(safe, axis=-1), 0.0)
-    out = jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("nts,snh->tnh", probs, v, precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(any_visible[0], jax.nn.logsumexp(safe, axis=-1).T, -1e30)
     out = jnp.where(too_long, jnp.nan, out)  # a test fails if a bound was too small
     return (out.reshape(batch, q_seq_len, q_heads, head_dim_v), lse.reshape(
-        batch, q_seq_len, q_heads), q_doc >= 0, kv_doc >= 0)
+        batch, q_seq_len, q_heads), q_covered, kv_covered)
+
+
+def _ragged_gradients(inputs, output, lse, d_output, config, ragged_operands,
+                      max_document_length):
+    """(dq, dk, dv) float32 of the ragged call, from the output and token-major lse [B, T, N]
+    it is given, as cuDNN computes them (dense_backward's arithmetic, per document)."""
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    q_heads, kv_heads = query.shape[2], key.shape[2]
+    scores, visible, _, _, too_long = _ragged_scores(query, key, config, ragged_operands,
+                                                     max_document_length)
+    highest = jax.lax.Precision.HIGHEST
+    q = _tokens(query).astype(jnp.float32)
+    k = repeat_heads(_tokens(key)[None], q_heads)[0].astype(jnp.float32)
+    v = repeat_heads(_tokens(value)[None], q_heads)[0].astype(jnp.float32)
+    d_o, o = (_tokens(x).astype(jnp.float32) for x in (d_output, output))
+    lse_nt = _tokens(lse[..., None])[..., 0].T  # [N, B*T]
+    weights = jnp.where(visible[None], jnp.exp(scores - lse_nt[..., None]), 0.0)
+    d_weights = jnp.einsum("tnh,snh->nts", d_o, v, precision=highest)
+    row_dot = jnp.sum(d_o * o, axis=-1).T  # [N, B*T]
+    d_scores = jnp.where(visible[None], weights * (d_weights - row_dot[..., None]), 0.0)
+    dq = jnp.einsum("nts,snh->tnh", d_scores, k, precision=highest) * config.scale
+    dk = jnp.einsum("nts,tnh->snh", d_scores, q, precision=highest) * config.scale
+    dv = jnp.einsum("nts,tnh->snh", weights, d_o, precision=highest)
+    fold = lambda x, like: fold_heads(x[None], kv_heads)[0].reshape(like.shape)  # noqa: E731
+    grads = dq.reshape(query.shape), fold(dk, key), fold(dv, value)
+    return tuple(jnp.where(too_long, jnp.nan, g) for g in grads)
 
 
 def _unwritten(x, covered, config, inputs, side):
@@ -135,12 +176,9 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     if ragged_operands is None:
         return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-
-    def primal(query, key, value):
-        return _ragged_attention(query, key, value, config, ragged_operands, max_document_length)[0]
-    _, vjp = jax.vjp(primal, *(x.astype(jnp.float32) for x in (query, key, value)))
-    dq, dk, dv = vjp(d_output.astype(jnp.float32))
-    _, _, q_covered, kv_covered = _ragged_attention(query, key, value, config, ragged_operands,
+    dq, dk, dv = _ragged_gradients(inputs, output, lse, d_output, config, ragged_operands,
+                                   max_document_length)
+    _, _, q_covered, kv_covered, _ = _ragged_scores(query, key, config, ragged_operands,
                                                     max_document_length)
     return (_poisoned(_unwritten(dq, q_covered, config, inputs, 0).astype(query.dtype),
                       poison_rows),

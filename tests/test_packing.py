@@ -130,6 +130,49 @@ def test_fallback_in_blocks_matches_segment_semantics(case, emulated_cudnn, monk
     assert relative_error(lse, lse_ref) < 1e-2
 
 
+def random_ids(rng, length, reuse):
+    """A row of runs of random lengths and ids; with reuse, an id may come back after a gap
+    (what only the exact fallback computes)."""
+    row, next_id = [], 1
+    while len(row) < length:
+        same = reuse and next_id > 2 and rng.random() < 0.3
+        run_id = int(rng.integers(1, next_id)) if same else next_id
+        next_id += not same
+        row += [run_id] * int(rng.integers(1, max(2, length // 3) + 1))
+    return np.array(row[:length], np.int32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_packed_calls_match_segment_semantics(seed, emulated_cudnn, monkeypatch):
+    """Random packed calls (ids reused or not, self or cross, causal, window, lengths, GQA,
+    sinks, few or many slots, the fallback in blocks of 5 rows) against the reference: whatever
+    branch the device picks, the segment-id semantics."""
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 5)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    rng = np.random.default_rng(100 + seed)
+    reuse = bool(rng.random() < 0.6)
+    q_ids = np.stack([random_ids(rng, T, reuse) for _ in range(B)])
+    kwargs = dict(query_segment_ids=jnp.asarray(q_ids),
+                  max_segments=int(rng.choice([2, 4, 64])))
+    kv_seq = T
+    if rng.random() < 0.4:  # cross: keys with ids of their own
+        kv_seq = int(rng.choice([T, S]))
+        kv_ids = np.stack([random_ids(rng, kv_seq, reuse) for _ in range(B)])
+        kwargs["kv_segment_ids"] = jnp.asarray(kv_ids)
+    band = rng.choice(["full", "causal", "window"])
+    kwargs["is_causal"] = bool(band == "causal")
+    if band == "window":
+        kwargs["local_window_size"] = (int(rng.integers(0, 10)), int(rng.integers(0, 4)))
+    if rng.random() < 0.5:
+        kwargs["query_seq_lengths"] = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.asarray(rng.integers(0, kv_seq + 1, B),
+                                                      jnp.int32)
+    if rng.random() < 0.3:
+        kwargs["sinks"] = jnp.asarray(rng.normal(size=N), jnp.float32)
+    shape = dict(kv_seq=kv_seq, kv_heads=int(rng.choice([1, 2, 4])))
+    check(*qkv(seed, **shape), **kwargs)
+
+
 def test_document_table_of_runs():
     ids = jnp.asarray(np.stack(ROWS["contiguous"]))
     docs = packing.documents(ids, None, max_segments=4)
