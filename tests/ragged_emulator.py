@@ -6,10 +6,9 @@ first token) and leaves what cuDNN leaves: tokens of no document are zero when t
 handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Its
 backward computes from the output and lse it is given, as cuDNN's does (a sink attention's
 gradient, given the sink attention's output and lse). Dense (non-ragged) calls go to the
-reference kernel, their backward reading the lse likewise. Any
-disagreement between the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
-jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
-without a GPU.
+reference kernel, their backward reading the lse likewise. Any disagreement between the packed
+path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py, jax_sdpa/packed_fallback.py) and
+the segment-id semantics shows up against the reference without a GPU.
 """
 
 from __future__ import annotations
