@@ -6,9 +6,11 @@ first token) and leaves what cuDNN leaves: tokens of no document are zero when t
 handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Its
 backward computes from the output and lse it is given, as cuDNN's does (a sink attention's
 gradient, given the sink attention's output and lse). Dense (non-ragged) calls go to the
-reference kernel, their backward reading the lse likewise. Any disagreement between the packed
-path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py, jax_sdpa/packed_fallback.py) and
-the segment-id semantics shows up against the reference without a GPU.
+reference kernel forward, and their backward reads the lse likewise (band, lengths, bias,
+soft-cap; dropout alone takes the reference's recomputing backward). Any disagreement between
+the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
+jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
+without a GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi, reference_kernel
-from jax_sdpa.reference import fold_heads, repeat_heads
+from jax_sdpa.reference import combined_mask, fold_heads, repeat_heads
 
 
 def _token_documents(starts, lengths, total):
@@ -144,30 +146,45 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
 
 def _dense_backward(inputs, output, lse, d_output, config):
     """A dense call's backward as cuDNN computes it, from the output and lse it is given: the
-    weights exp(scores + bias - lse), dS = P (dP - rowsum(dO O)); so an lse that is not the
-    forward's, or one no exp can take, shows here as it would on the GPU. Calls with a band,
-    lengths, dropout, soft-cap or a bias gradient take the reference's recomputing backward."""
-    if (config.banded or config.has_lengths or config.dropout or config.logits_soft_cap or
-            config.bias_grad):
+    weights exp(logits - lse) inside the call's masks (band, lengths), dS = P (dP - rowsum(dO
+    O)), through the soft-cap's tanh; so an lse that is not the forward's, or one no exp can
+    take, shows here as it would on the GPU. Dropout takes the reference's backward."""
+    if config.dropout:
         return reference_kernel.backward(config, inputs, output, lse, d_output)
-    query = inputs["query"]
+    query, bias = inputs["query"], inputs.get("bias")
     q, k, v, o, d_o = (x.astype(jnp.float32) for x in (query, inputs["key"], inputs["value"],
                                                          output, d_output))
     heads, kv_heads = q.shape[2], k.shape[2]
+    q_seq_len, kv_seq_len = q.shape[1], k.shape[1]
     k, v = repeat_heads(k, heads), repeat_heads(v, heads)
     highest = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k, precision=highest) * config.scale
-    if inputs.get("bias") is not None:
-        scores = scores + inputs["bias"].astype(jnp.float32)
-    weights = jnp.exp(scores - lse[..., None])
+    raw = jnp.einsum("btnh,bsnh->bnts", q, k, precision=highest) * config.scale
+    cap = config.logits_soft_cap
+    logits = cap * jnp.tanh(raw / cap) if cap else raw
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    weights = jnp.exp(logits - lse[..., None])
+    keep = combined_mask(
+        q_seq_len, kv_seq_len,
+        query_seq_lengths=inputs["q_lengths"] if config.has_lengths else None,
+        key_value_seq_lengths=inputs["kv_lengths"] if config.has_lengths else None,
+        local_window_size=config.window(),
+        diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len))
+    if keep is not None:
+        weights = jnp.where(keep, weights, 0.0)
     d_weights = jnp.einsum("btnh,bsnh->bnts", d_o, v, precision=highest)
     row_dot = jnp.swapaxes(jnp.sum(d_o * o, axis=-1), 1, 2)  # [B, N, T]
-    d_scores = weights * (d_weights - row_dot[..., None])
-    dq = jnp.einsum("bnts,bsnh->btnh", d_scores, k, precision=highest) * config.scale
-    dk = jnp.einsum("bnts,btnh->bsnh", d_scores, q, precision=highest) * config.scale
+    d_logits = weights * (d_weights - row_dot[..., None])
+    d_raw = d_logits * (1.0 - jnp.square(jnp.tanh(raw / cap))) if cap else d_logits
+    dq = jnp.einsum("bnts,bsnh->btnh", d_raw, k, precision=highest) * config.scale
+    dk = jnp.einsum("bnts,btnh->bsnh", d_raw, q, precision=highest) * config.scale
     dv = jnp.einsum("bnts,btnh->bsnh", weights, d_o, precision=highest)
+    dbias = None
+    if config.has_bias and config.bias_grad:
+        summed = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
+        dbias = jnp.sum(d_logits, axis=summed, keepdims=True).astype(bias.dtype)
     return (dq.astype(query.dtype), fold_heads(dk, kv_heads).astype(inputs["key"].dtype),
-            fold_heads(dv, kv_heads).astype(inputs["value"].dtype), None)
+            fold_heads(dv, kv_heads).astype(inputs["value"].dtype), dbias)
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
