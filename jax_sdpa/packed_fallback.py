@@ -1,9 +1,10 @@
 """The exact fallback of packed segment ids on cuDNN, for rows the document table cannot
 express (a document split into runs, more documents than slots): blocks of query rows against
 every key, each block one dense cuDNN call whose segment ids, band and lengths arrive as a
-[B, 1, block, S] bias. Memory O(block x S), never [T, S]; two cuDNN graphs whatever the ids,
-and no reference in the compiled program (its matmuls cost seconds of XLA autotuning in every
-checked packed call, which compiles this branch beside its ragged ones).
+[B, 1, block, S] bias. Memory O(block x S), the block sized by _BIAS_ELEMENTS (a whole
+[T, S] only where that is small); two cuDNN graphs whatever the ids, and no reference in the
+compiled program (its matmuls cost seconds of XLA autotuning in every checked packed call,
+which compiles this branch beside its ragged ones).
 
 The rows come out as the reference gives them (jax_sdpa/reference.py): a row that sees no key
 is the mean of all values, rows past the query lengths and rows of an entry without keys are
