@@ -151,3 +151,36 @@ def calls_to(text, role):
     names = twins(role)
     return [line for line in text.splitlines()
             if any(f"@{name}(" in line or f"@{name}_poisoned(" in line for name in names)]
+
+
+def gradient_patterns(f):
+    """(name, fn(q, k, v, d_out) -> (output, dq, dk, dv)) for the ways users take gradients."""
+    def loss(f_):
+        return lambda q, k, v, d_out: jnp.vdot(f_(q, k, v).astype(jnp.float32),
+                                               d_out.astype(jnp.float32))
+
+    def with_output(grad_fn, f_):
+        def run(q, k, v, d_out):
+            return (f_(q, k, v), *grad_fn(q, k, v, d_out))
+        return run
+
+    def vjp_of_jit(q, k, v, d_out):
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        return (out, *vjp(d_out))
+    grads = lambda g: lambda q, k, v, d: g(q, k, v, d)  # noqa: E731
+    return [
+        ("jit(grad)", with_output(grads(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))),
+                                  jax.jit(f))),
+        ("vjp(jit)", vjp_of_jit),
+        ("grad(jit)", with_output(grads(jax.grad(loss(jax.jit(f)), argnums=(0, 1, 2))), f)),
+        ("jit(grad(checkpoint))",
+         with_output(grads(jax.jit(jax.grad(loss(jax.checkpoint(f)), argnums=(0, 1, 2)))),
+                     jax.jit(f))),
+    ]
+
+
+def reference_gradients(f_ref, q, k, v, d_out):
+    """(output, dq, dk, dv) of f_ref on the float32 upcast inputs."""
+    up = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    out, vjp = jax.vjp(jax.jit(f_ref), *up[:3])
+    return (out, *vjp(up[3]))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import assert_close_to_reference, random_qkv, relative_error
+from conftest import (assert_close_to_reference, gradient_patterns, random_qkv,
+                      reference_gradients, relative_error)
 from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
@@ -178,6 +179,26 @@ def test_exact_fallback_in_blocks(case, dtype, monkeypatch):
         ours = check(q, k, v, d_out, case, **kwargs)
     for name, x in zip(("output", "dq", "dk", "dv"), ours):
         assert np.all(np.isfinite(np.asarray(x, np.float32))), f"{name} kept poisoned elements"
+
+
+@pytest.mark.parametrize("t", [7, 2501])
+def test_exact_fallback_at_one_row_under_every_gradient_pattern(t, monkeypatch):
+    """B = 1, T = 7 or 2501 (blocks of 300 rows, the last one partial), an id reused after a
+    gap: jit(grad), vjp(jit), grad(jit) and checkpoint against the float32 reference."""
+    from jax_sdpa import packed_fallback  # noqa: PLC0415
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 300)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    ids = np.array(packed_ids(np.random.default_rng(8), 1, t, low=1, high=max(2, t // 5)))
+    ids[0, t // 2:] = ids[0, 0]  # the first document's id again, after a gap
+    q, k, v, d_out = random_qkv(37, 1, t, t, 4, 2, 64, jnp.bfloat16)
+
+    def attention(implementation):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=jnp.asarray(ids),
+            implementation=implementation)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
+    for name, run in gradient_patterns(attention("cudnn")):
+        assert_close_to_reference(run(q, k, v, d_out), ref, context=f"{name} T={t}")
 
 
 def test_one_query_one_key_backward_takes_the_reference():

@@ -9,41 +9,10 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import assert_close_to_reference, random_qkv
+from conftest import (assert_close_to_reference, gradient_patterns, random_qkv,
+                      reference_gradients)
 
 pytestmark = pytest.mark.gpu
-
-
-def _gradient_patterns(f):
-    """(name, fn(q, k, v, d_out) -> (output, dq, dk, dv)) for the ways users take gradients."""
-    def loss(f_):
-        return lambda q, k, v, d_out: jnp.vdot(f_(q, k, v).astype(jnp.float32),
-                                               d_out.astype(jnp.float32))
-
-    def with_output(grad_fn, f_):
-        def run(q, k, v, d_out):
-            return (f_(q, k, v), *grad_fn(q, k, v, d_out))
-        return run
-
-    def vjp_of_jit(q, k, v, d_out):
-        out, vjp = jax.vjp(jax.jit(f), q, k, v)
-        return (out, *vjp(d_out))
-    grads = lambda g: lambda q, k, v, d: g(q, k, v, d)  # noqa: E731
-    return [
-        ("jit(grad)", with_output(grads(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))),
-                                  jax.jit(f))),
-        ("vjp(jit)", vjp_of_jit),
-        ("grad(jit)", with_output(grads(jax.grad(loss(jax.jit(f)), argnums=(0, 1, 2))), f)),
-        ("jit(grad(checkpoint))",
-         with_output(grads(jax.jit(jax.grad(loss(jax.checkpoint(f)), argnums=(0, 1, 2)))),
-                     jax.jit(f))),
-    ]
-
-
-def _reference(f_ref, q, k, v, d_out):
-    up = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
-    out, vjp = jax.vjp(jax.jit(f_ref), *up[:3])
-    return (out, *vjp(up[3]))
 
 
 def _ids(rows):
@@ -67,9 +36,9 @@ def test_stated_bound_under_every_gradient_pattern(rows):
         return lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation,
             **stated)
-    ref = _reference(attention("xla"), q, k, v, d_out)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
     ours = attention("cudnn", max_document_length=longest, max_segments=documents)
-    for name, run in _gradient_patterns(ours):
+    for name, run in gradient_patterns(ours):
         assert_close_to_reference(run(q, k, v, d_out), ref, context=name)
 
 
@@ -87,9 +56,9 @@ def test_varlen_stated_bound_under_every_gradient_pattern(seed):
     def attention(implementation, **stated):
         return lambda q, k, v: jax_sdpa.varlen_attention(
             q, k, v, cu, is_causal=True, implementation=implementation, **stated)
-    ref = _reference(attention("xla"), q, k, v, d_out)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
     ours = attention("cudnn", max_seqlen_q=int(lengths.max()))
-    for name, run in _gradient_patterns(ours):
+    for name, run in gradient_patterns(ours):
         assert_close_to_reference(run(q, k, v, d_out), ref, context=f"{name} {lengths}")
 
 
@@ -103,7 +72,7 @@ def test_broken_statement_on_one_row_is_nan_under_jit_grad():
         return jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn",
             max_document_length=1024, max_segments=4)
-    for name, run in _gradient_patterns(f):
+    for name, run in gradient_patterns(f):
         out, dq, dk, dv = (np.asarray(x, np.float32) for x in run(q, k, v, d_out))
         for label, x in (("output", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             assert np.all(np.isnan(x[0, 0])), f"{name}: {label}'s first token is not NaN"

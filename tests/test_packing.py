@@ -12,7 +12,7 @@ import pytest
 import jax_sdpa
 from jax_sdpa import _ffi, kernels, packed_fallback, packing, planning
 import ragged_emulator
-from conftest import relative_error
+from conftest import gradient_patterns, random_qkv, reference_gradients, relative_error
 
 B, T, N, K, H = 2, 48, 4, 2, 32
 
@@ -128,6 +128,27 @@ def test_fallback_in_blocks_matches_segment_semantics(case, emulated_cudnn, monk
         shape["kv_seq"] = len(kv_row)
     _, lse, lse_ref = check(*qkv(12, **shape), query_segment_ids=ids, **kwargs)
     assert relative_error(lse, lse_ref) < 1e-2
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_fallback_at_one_row_under_every_gradient_pattern(t, emulated_cudnn, monkeypatch):
+    """B = 1 and T = 1 or 7, ids only the exact fallback computes (T = 7: an id reused after a
+    gap; T = 1: keys whose ids do), in blocks of 3 rows: jit(grad), vjp(jit), grad(jit) and
+    checkpoint all give the reference's values and gradients."""
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 3)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    kv_ids = jnp.asarray([[1, 2, 1, 1, 2, 2, 1]], jnp.int32)
+    kwargs = (dict(query_segment_ids=jnp.asarray([[1]], jnp.int32), kv_segment_ids=kv_ids)
+              if t == 1 else dict(query_segment_ids=kv_ids, is_causal=True))
+    q, k, v, d_out = random_qkv(t, 1, t, 7, N, K, H, jnp.bfloat16)
+
+    def attention(implementation):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, implementation=implementation, **kwargs)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
+    for name, run in gradient_patterns(attention("cudnn")):
+        for label, a, b in zip(("output", "dq", "dk", "dv"), run(q, k, v, d_out), ref):
+            assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
 
 
 def random_ids(rng, length, reuse):
