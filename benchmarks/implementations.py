@@ -9,7 +9,7 @@ import jax_sdpa
 
 
 @contextlib.contextmanager
-def command_buffers_mode(value):
+def _command_buffers(value):
     """Traces inside use jax_sdpa's command-buffer targets for every call ("1") or none ("0");
     outside, each call by its work (the default)."""
     previous = os.environ.get("JAX_SDPA_COMMAND_BUFFERS")
@@ -39,19 +39,20 @@ def _jax_sdpa_fp8(q, k, v, causal):
                                           fp8=True)
 
 
-def _jax_sdpa_in_mode(value):
-    def attention(q, k, v, causal):
-        with command_buffers_mode(value):
-            return _jax_sdpa(q, k, v, causal)
-    return attention
+def in_command_buffer_mode(attention, value):
+    """attention, its calls traced under _command_buffers(value)."""
+    def traced(*args):
+        with _command_buffers(value):
+            return attention(*args)
+    return traced
 
 
 def available(config, command_buffers=False):
     """{name: function} of the implementations that can run `config` here."""
     found = {"jax_sdpa": _jax_sdpa, "jax.nn cudnn": _jax_nn("cudnn")}
     if command_buffers:  # both forced modes next to the default's choice
-        found["jax_sdpa cmdbuf"] = _jax_sdpa_in_mode("1")
-        found["jax_sdpa plain"] = _jax_sdpa_in_mode("0")
+        found["jax_sdpa cmdbuf"] = in_command_buffer_mode(_jax_sdpa, "1")
+        found["jax_sdpa plain"] = in_command_buffer_mode(_jax_sdpa, "0")
     try:
         from flash_attn3_jax import flash_mha  # noqa: PLC0415 - optional peer
     except ImportError:

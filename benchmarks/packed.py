@@ -40,7 +40,7 @@ import numpy as np
 import jax_sdpa
 from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
-from benchmarks.implementations import command_buffers_mode
+from benchmarks.implementations import in_command_buffer_mode
 
 N_HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
 
@@ -106,7 +106,9 @@ def implementations(config, tight=True):
         "ragged": lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn"),
     }
-    found["ragged cmdbuf"] = _in_command_buffers(found["ragged"])
+    # Every call on our command-buffer targets: with XLA's CONDITIONAL command buffers on, the
+    # checked call's lax.switch may run on the device, without its index's copy to the host.
+    found["ragged cmdbuf"] = in_command_buffer_mode(found["ragged"], "1")
     tight = config.documents()
     if with_tight and tight != jax_sdpa.validation.DEFAULT_MAX_SEGMENTS:
         found[f"ragged M={tight}"] = lambda q, k, v: jax_sdpa.dot_product_attention(
@@ -130,16 +132,6 @@ def implementations(config, tight=True):
     if flash_mha_varlen is not None:
         found["flash-attn3-jax varlen"] = _varlen(config, flash_mha_varlen)
     return found
-
-
-def _in_command_buffers(attention):
-    """attention traced with every call on our command-buffer targets
-    (JAX_SDPA_COMMAND_BUFFERS=1): with XLA's CONDITIONAL command buffers enabled, the checked
-    call's lax.switch may then run on the device, without its index's copy to the host."""
-    def traced(q, k, v):
-        with command_buffers_mode("1"):
-            return attention(q, k, v)
-    return traced
 
 
 def stated(config, ids):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _ffi
+from jax_sdpa.reference_kernel import QueryBlocks
 from jax_sdpa.reference import (combined_mask, fill_empty_rows, mask_to_bias, mean_value,
                                 mean_value_gradient)
 
@@ -41,43 +42,24 @@ def _dense_spec(config):
         has_sinks=False)
 
 
-class _Blocks:
-    """The call's query rows cut into blocks: [B, T, ...] <-> [blocks, B, block, ...]."""
-
-    def __init__(self, inputs):
-        batch, self.q_seq_len = inputs["query"].shape[:2]
-        kv_seq_len = inputs["key"].shape[1]
-        self.size = min(self.q_seq_len,
-                        max(_MIN_BLOCK, _BIAS_ELEMENTS // (batch * kv_seq_len)))
-        self.count = -(-self.q_seq_len // self.size)
-
-    def split(self, x, axis=1):
-        """x's axis `axis` (T) cut into blocks, padded past T; the blocks first."""
-        x = jnp.moveaxis(x, axis, 1)
-        pad = self.count * self.size - self.q_seq_len
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(x.shape[0], self.count, self.size, *x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, axis + 1)
-
-    def join(self, x, axis=1):
-        """split's inverse: [blocks, ...] -> x with T at `axis`."""
-        x = jnp.moveaxis(jnp.moveaxis(x, axis + 1, 2), 0, 1)
-        x = x.reshape(x.shape[0], self.count * self.size, *x.shape[3:])[:, :self.q_seq_len]
-        return jnp.moveaxis(x, 1, axis)
-
-
-def _seen(config, inputs, ids_block, first):
-    """bool [B, 1, block, S]: the keys each of the block's rows (first, first + 1, ...) sees,
-    and bool [B, 1, block]: whether the row holds the mean of all values if it sees none
-    (within the query lengths, in an entry with keys), else zeros."""
+def _blocks(inputs):
     batch, q_seq_len = inputs["query"].shape[:2]
     kv_seq_len = inputs["key"].shape[1]
-    block = ids_block.shape[1]
+    return QueryBlocks(q_seq_len, min(q_seq_len, max(_MIN_BLOCK,
+                                                     _BIAS_ELEMENTS // (batch * kv_seq_len))))
+
+
+def _seen(config, inputs, blocks, ids_block, index):
+    """bool [B, 1, block, S]: the keys each row of block `index` sees, and bool [B, 1, block]:
+    whether the row holds the mean of all values if it sees none (within the query lengths,
+    in an entry with keys), else zeros."""
+    batch, q_seq_len = inputs["query"].shape[:2]
+    kv_seq_len = inputs["key"].shape[1]
+    block, first = blocks.size, index * blocks.size
     q_lengths, kv_lengths = inputs.get("q_lengths"), inputs.get("kv_lengths")
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
-    # Rows past T (the last block's padding) are past the lengths too.
-    q_lengths = jnp.clip(q_lengths - first, 0, block)
+    q_lengths = blocks.lengths(q_lengths, first)
     seen = combined_mask(
         block, kv_seq_len, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         local_window_size=config.window(),
@@ -94,12 +76,12 @@ def forward(config, inputs):
     """(output [B, T, N, Hv], lse float32 [B, N, T]) of a packed call's inputs (no sinks)."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     q_heads = query.shape[2]
-    blocks, dense = _Blocks(inputs), _dense_spec(config)
+    blocks, dense = _blocks(inputs), _dense_spec(config)
     average = mean_value(q_heads, value)[:, None]  # [B, 1, N, Hv]
 
     def one_block(args):
         q_block, ids_block, index = args
-        seen, averaged = _seen(config, inputs, ids_block, index * blocks.size)
+        seen, averaged = _seen(config, inputs, blocks, ids_block, index)
         output, lse = _ffi.sdpa_forward(
             dict(query=q_block, key=key, value=value, bias=mask_to_bias(seen, query.dtype)),
             dense)
@@ -117,12 +99,12 @@ def backward(config, inputs, output, lse, d_output):
     as every cuDNN backward takes them: jax_sdpa/sink_softmax.py)."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     q_heads = query.shape[2]
-    blocks, dense = _Blocks(inputs), _dense_spec(config)
+    blocks, dense = _blocks(inputs), _dense_spec(config)
 
     def one_block(carry, args):
         dk_sum, dv_sum = carry
         q_block, ids_block, out_block, lse_block, d_out_block, index = args
-        seen, averaged = _seen(config, inputs, ids_block, index * blocks.size)
+        seen, averaged = _seen(config, inputs, blocks, ids_block, index)
         empty = ~jnp.any(seen, axis=-1)  # [B, 1, block]
         empty_rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, block, 1, 1]
         # Rows that see no key are not cuDNN's to grade, and their lse (the empty row's, a

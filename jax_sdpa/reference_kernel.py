@@ -88,6 +88,34 @@ def forward(config, inputs):
                    q_lengths=inputs.get("q_lengths"), rng=_dropout_rng(inputs))
 
 
+class QueryBlocks:
+    """A call's query rows cut into blocks of `size` rows, the last one padded past T:
+    [B, T, ...] <-> [blocks, B, size, ...] (the blockwise reference and the packed fallback)."""
+
+    def __init__(self, q_seq_len, size):
+        self.q_seq_len, self.size = q_seq_len, size
+        self.count = -(-q_seq_len // size)
+
+    def split(self, x, axis=1):
+        """x's axis `axis` (T) cut into blocks, padded past T; the blocks first."""
+        x = jnp.moveaxis(x, axis, 1)
+        pad = self.count * self.size - self.q_seq_len
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], self.count, self.size, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, axis + 1)
+
+    def join(self, x, axis=1):
+        """split's inverse: [blocks, ...] -> x with T at `axis`."""
+        x = jnp.moveaxis(jnp.moveaxis(x, axis + 1, 2), 0, 1)
+        x = x.reshape(x.shape[0], self.count * self.size, *x.shape[3:])[:, :self.q_seq_len]
+        return jnp.moveaxis(x, 1, axis)
+
+    def lengths(self, q_lengths, first):
+        """int32 [B]: each row's query length counted within the block starting at row
+        `first` (padding rows past T are past it too)."""
+        return jnp.clip(q_lengths - first, 0, self.size)
+
+
 def blockwise_forward(config, inputs, block=None):
     """forward, one block of query rows at a time (lax.map; each block rematerialised in the
     backward): the same function with memory O(block x S). Dropout draws per block. Takes no
@@ -99,29 +127,23 @@ def blockwise_forward(config, inputs, block=None):
     kv_seq_len = inputs["key"].shape[1]
     if block is None:
         block = max(1, min(q_seq_len, _BLOCK_ELEMENTS // max(1, batch * q_heads * kv_seq_len)))
-    blocks = -(-q_seq_len // block)
-    padded = blocks * block - q_seq_len
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    blocks = QueryBlocks(q_seq_len, block)
     q_ids = inputs.get("q_segment_ids")
     q_lengths = inputs.get("q_lengths")
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_seq_len, jnp.int32)
     rng = _dropout_rng(inputs)
-    split = lambda x: jnp.moveaxis(x.reshape(batch, blocks, block, *x.shape[2:]), 1, 0)  # noqa
 
     @jax.checkpoint
     def one_block(args):
         q_block, ids_block, index = args
         first = index * block
         block_rng = None if rng is None else jax.random.fold_in(rng, index)
-        return _attend(config, inputs, q_block, first_row=first,
-                       q_segment_ids=ids_block,
-                       q_lengths=jnp.clip(q_lengths - first, 0, block), rng=block_rng)
-    ids_blocks = None if q_ids is None else split(pad(q_ids))
-    out, lse = jax.lax.map(one_block, (split(pad(query)), ids_blocks, jnp.arange(blocks)))
-    out = jnp.moveaxis(out, 0, 1).reshape(batch, blocks * block, *out.shape[3:])
-    lse = jnp.moveaxis(lse, 0, 2).reshape(batch, q_heads, blocks * block)
-    return out[:, :q_seq_len], lse[..., :q_seq_len]
+        return _attend(config, inputs, q_block, first_row=first, q_segment_ids=ids_block,
+                       q_lengths=blocks.lengths(q_lengths, first), rng=block_rng)
+    ids_blocks = None if q_ids is None else blocks.split(q_ids)
+    out, lse = jax.lax.map(one_block, (blocks.split(query), ids_blocks, jnp.arange(blocks.count)))
+    return blocks.join(out), blocks.join(lse, axis=2)
 
 
 def backward(config, inputs, output, lse, d_output, forward_fn=forward):

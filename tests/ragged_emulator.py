@@ -83,27 +83,36 @@ def _ragged_attention(query, key, value, config, ragged_operands, max_document_l
 def _ragged_gradients(inputs, output, lse, d_output, config, ragged_operands,
                       max_document_length):
     """(dq, dk, dv) float32 of the ragged call, from the output and token-major lse [B, T, N]
-    it is given, as cuDNN computes them (dense_backward's arithmetic, per document)."""
+    it is given, as cuDNN computes them per document; and the covered query and key tokens."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     q_heads, kv_heads = query.shape[2], key.shape[2]
-    scores, visible, _, _, too_long = _ragged_scores(query, key, config, ragged_operands,
-                                                     max_document_length)
-    highest = jax.lax.Precision.HIGHEST
-    q = _tokens(query).astype(jnp.float32)
-    k = repeat_heads(_tokens(key)[None], q_heads)[0].astype(jnp.float32)
-    v = repeat_heads(_tokens(value)[None], q_heads)[0].astype(jnp.float32)
-    d_o, o = (_tokens(x).astype(jnp.float32) for x in (d_output, output))
+    scores, visible, q_covered, kv_covered, too_long = _ragged_scores(
+        query, key, config, ragged_operands, max_document_length)
+    # The flattened tokens as one batch entry, in _softmax_gradients' layouts.
+    q, o, d_o = (_tokens(x)[None].astype(jnp.float32) for x in (query, output, d_output))
+    k, v = (repeat_heads(_tokens(x)[None], q_heads).astype(jnp.float32) for x in (key, value))
     lse_nt = _tokens(lse[..., None])[..., 0].T  # [N, B*T]
-    weights = jnp.where(visible[None], jnp.exp(scores - lse_nt[..., None]), 0.0)
-    d_weights = jnp.einsum("tnh,snh->nts", d_o, v, precision=highest)
-    row_dot = jnp.sum(d_o * o, axis=-1).T  # [N, B*T]
-    d_scores = jnp.where(visible[None], weights * (d_weights - row_dot[..., None]), 0.0)
-    dq = jnp.einsum("nts,snh->tnh", d_scores, k, precision=highest) * config.scale
-    dk = jnp.einsum("nts,tnh->snh", d_scores, q, precision=highest) * config.scale
-    dv = jnp.einsum("nts,tnh->snh", weights, d_o, precision=highest)
-    fold = lambda x, like: fold_heads(x[None], kv_heads)[0].reshape(like.shape)  # noqa: E731
-    grads = dq.reshape(query.shape), fold(dk, key), fold(dv, value)
-    return tuple(jnp.where(too_long, jnp.nan, g) for g in grads)
+    weights = jnp.where(visible[None], jnp.exp(scores - lse_nt[..., None]), 0.0)[None]
+    dq, dk, dv, _ = _softmax_gradients(q, k, v, o, d_o, weights, config.scale)
+    fold = lambda x, like: fold_heads(x, kv_heads)[0].reshape(like.shape)  # noqa: E731
+    grads = dq[0].reshape(query.shape), fold(dk, key), fold(dv, value)
+    return tuple(jnp.where(too_long, jnp.nan, g) for g in grads), q_covered, kv_covered
+
+
+def _softmax_gradients(q, k, v, o, d_o, weights, scale, raw=None, cap=0.0):
+    """(dq, dk, dv, dlogits) float32, per query head, as cuDNN's backward computes them from the
+    softmax weights P [B, N, T, S] (zero where masked): dS = P (dP - rowsum(dO O)), through
+    the soft-cap's tanh when cap (raw: the scaled scores before it). q, o, d_o [B, T, N, *];
+    k, v [B, S, N, *], float32."""
+    highest = jax.lax.Precision.HIGHEST
+    d_weights = jnp.einsum("btnh,bsnh->bnts", d_o, v, precision=highest)
+    row_dot = jnp.swapaxes(jnp.sum(d_o * o, axis=-1), 1, 2)  # [B, N, T]
+    d_logits = weights * (d_weights - row_dot[..., None])
+    d_raw = d_logits * (1.0 - jnp.square(jnp.tanh(raw / cap))) if cap else d_logits
+    dq = jnp.einsum("bnts,bsnh->btnh", d_raw, k, precision=highest) * scale
+    dk = jnp.einsum("bnts,btnh->bsnh", d_raw, q, precision=highest) * scale
+    dv = jnp.einsum("bnts,btnh->bsnh", weights, d_o, precision=highest)
+    return dq, dk, dv, d_logits
 
 
 def _unwritten(x, covered, config, inputs, side):
@@ -172,13 +181,7 @@ def _dense_backward(inputs, output, lse, d_output, config):
         diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len))
     if keep is not None:
         weights = jnp.where(keep, weights, 0.0)
-    d_weights = jnp.einsum("btnh,bsnh->bnts", d_o, v, precision=highest)
-    row_dot = jnp.swapaxes(jnp.sum(d_o * o, axis=-1), 1, 2)  # [B, N, T]
-    d_logits = weights * (d_weights - row_dot[..., None])
-    d_raw = d_logits * (1.0 - jnp.square(jnp.tanh(raw / cap))) if cap else d_logits
-    dq = jnp.einsum("bnts,bsnh->btnh", d_raw, k, precision=highest) * config.scale
-    dk = jnp.einsum("bnts,btnh->bsnh", d_raw, q, precision=highest) * config.scale
-    dv = jnp.einsum("bnts,btnh->bsnh", weights, d_o, precision=highest)
+    dq, dk, dv, d_logits = _softmax_gradients(q, k, v, o, d_o, weights, config.scale, raw, cap)
     dbias = None
     if config.has_bias and config.bias_grad:
         summed = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
@@ -192,10 +195,8 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     if ragged_operands is None:
         return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    dq, dk, dv = _ragged_gradients(inputs, output, lse, d_output, config, ragged_operands,
-                                   max_document_length)
-    _, _, q_covered, kv_covered, _ = _ragged_scores(query, key, config, ragged_operands,
-                                                    max_document_length)
+    (dq, dk, dv), q_covered, kv_covered = _ragged_gradients(
+        inputs, output, lse, d_output, config, ragged_operands, max_document_length)
     return (_poisoned(_unwritten(dq, q_covered, config, inputs, 0).astype(query.dtype),
                       poison_rows),
             _poisoned(_unwritten(dk, kv_covered, config, inputs, 1).astype(key.dtype),
