@@ -40,6 +40,16 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=
     return operands
 
 
+def _described(inputs, config, leading, ragged_operands, max_document_length, *, poison_rows,
+               fp8_scales):
+    """(operands, attributes) of a call: the leading operands, then the optional ones."""
+    operands = (*leading, *_optional_operands(inputs, ragged_operands, config, poison_rows,
+                                              fp8_scales))
+    return operands, config.ffi_attributes(ragged=ragged_operands is not None,
+                                           max_document_length=max_document_length,
+                                           poison_rows=poison_rows is not None)
+
+
 # An FP8 call's amaxes (ffi/call_plan.h): rows of 4 floats, 2 forward, 4 backward.
 _FP8_AMAXES = {"forward": 2, "backward": 4}
 
@@ -74,14 +84,16 @@ def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
 
 
 def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method,
-                         keys):
+                         keys, planned_as=None):
     """ffi_call of our target with the call's cuDNN workspace as one more result, a uint8 buffer
     XLA allocates: XLA reuses that memory like any temporary, and orders it like any buffer
     inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
     from the call's graph, built here (on this process's first GPU) and cached for the call;
     without a GPU, or a graph that needs none, the handler takes scratch memory per call
-    instead. keys: each query row's keys (for the call's work). Returns the call's other
-    results."""
+    instead. keys: each query row's keys (for the call's work). planned_as: None, or the
+    (operands, attributes) of a larger call whose graph sizes the workspace instead (one graph
+    built while tracing for many calls; the handler takes scratch memory if it falls short).
+    Returns the call's other results."""
     query, value = operands[0], operands[2]
     flops = command_buffers.call_flops(query, keys, value.shape[-1])
     buffered = command_buffers.records_into_command_buffers(config, flops)
@@ -89,9 +101,12 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     device = _gpu_ordinal()
     workspace = 0
     if device is not None:
+        planned_operands, planned_attributes = planned_as or (operands, attributes)
+        planned_attributes = dict(planned_attributes, command_buffer=buffered,
+                                  workspace_result=False)
         described = tuple((jnp.dtype(x.dtype).name, tuple(int(d) for d in x.shape))
-                          for x in operands)
-        values = tuple(sorted((name, float(value)) for name, value in attributes.items()))
+                          for x in planned_operands)
+        values = tuple(sorted((name, float(value)) for name, value in planned_attributes.items()))
         workspace = _planned_workspace_bytes(role == "backward", device, described, values)
     if workspace > 0:
         attributes["workspace_result"] = True
@@ -103,7 +118,7 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
 
 
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, fp8_scales=None):
+                 poison_rows=None, fp8_scales=None, workspace_for=None):
     """cuDNN forward: (output [batch..., T, N, Hv], lse float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
@@ -113,7 +128,8 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
     bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an
     FP8 call's float32 scale rows (e4m3 query, key and value; the output comes back e4m3 too,
-    and the amaxes as a third result).
+    and the amaxes as a third result); workspace_for: None, or the (ragged_operands,
+    max_document_length) of a larger ragged grid whose graph sizes the workspace.
     """
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -125,22 +141,23 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
         *_fp8_amaxes("forward", fp8_scales),
     )
-    operands = (query, key, value,
-                *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
-    attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document_length=max_document_length,
-                                       poison_rows=poison_rows is not None)
+    described = functools.partial(_described, inputs, config, (query, key, value),
+                                  poison_rows=poison_rows, fp8_scales=fp8_scales)
+    operands, attributes = described(ragged_operands, max_document_length)
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
-                                "broadcast_all", key.shape[-3])
+                                "broadcast_all", key.shape[-3],
+                                workspace_for and described(*workspace_for))
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None, fp8_scales=None):
+                  max_document_length=(0, 0), poison_rows=None, fp8_scales=None,
+                  workspace_for=None):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
     as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
-    in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow."""
+    in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow.
+    workspace_for: as sdpa_forward's."""
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     gradient_dtype = lambda x: d_output.dtype if fp8_scales is not None else x.dtype  # noqa
@@ -151,13 +168,13 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     result_types += _fp8_amaxes("backward", fp8_scales)
     if fp8_scales is None:
         d_output = d_output.astype(output.dtype)
-    operands = (query, key, value, output, lse, d_output,
-                *_optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales))
-    attributes = config.ffi_attributes(ragged=ragged_operands is not None,
-                                       max_document_length=max_document_length,
-                                       poison_rows=poison_rows is not None)
+    described = functools.partial(_described, inputs, config,
+                                  (query, key, value, output, lse, d_output),
+                                  poison_rows=poison_rows, fp8_scales=fp8_scales)
+    operands, attributes = described(ragged_operands, max_document_length)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
-                                   "broadcast_all", key.shape[-3])
+                                   "broadcast_all", key.shape[-3],
+                                   workspace_for and described(*workspace_for))
     amaxes = (results[-1],) if fp8_scales is not None else ()
     return (*results[:3], results[3] if with_dbias else None, *amaxes)
 

@@ -162,39 +162,34 @@ def _branch(docs, grids):
     return jnp.where(docs.ok, jnp.argmax(fits), len(grids))
 
 
-def _packed_grids(inputs, config):
-    query, key = inputs["query"], inputs["key"]
-    return ragged_grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
+def _average_empty_rows(config, inputs, docs, output, lse, rows_kept=None):
+    """A ragged call's rows that see no key, made the reference's (the values' mean); lse
+    [B, N, T]. rows_kept: bool [B] or None: rows left as they are (poisoned, or not the
+    ragged layout's)."""
+    if not _may_see_nothing(config):
+        return output, lse
+    uniform = _rows_to_average(config, inputs, docs)
+    if rows_kept is not None:
+        uniform &= ~rows_kept[:, None]
+    average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
+    return fill_empty_rows(output, lse, uniform[:, None, :], average)
 
 
-def _ragged_forward(config, docs, grid, inputs, poison_rows=None):
-    entries, bound = grid
-    output, lse = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
-                                      max_document_length=bound, poison_rows=poison_rows)
-    lse = jnp.swapaxes(lse, 1, 2)  # token-major -> [B, N, T]
-    if _may_see_nothing(config):
-        uniform = _rows_to_average(config, inputs, docs)
-        if poison_rows is not None:  # a poisoned row stays NaN
-            uniform &= ~poison_rows[:, None]
-        average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
-        output, lse = fill_empty_rows(output, lse, uniform[:, None, :], average)
-    return output, lse
+def _average_rows_gradient(config, inputs, docs, d_output, rows_kept=None):
+    """(d_output without the rows _average_empty_rows fills, those rows' dV or None)."""
+    if not _may_see_nothing(config):
+        return d_output, None
+    uniform = _rows_to_average(config, inputs, docs)
+    if rows_kept is not None:
+        uniform &= ~rows_kept[:, None]
+    uniform = uniform[:, :, None, None]
+    return (jnp.where(uniform, 0, d_output),
+            mean_value_gradient(inputs["query"].shape[2], inputs["value"],
+                                jnp.where(uniform, d_output, 0)))
 
 
-def _ragged_backward(config, docs, grid, inputs, output, lse, d_output, poison_rows=None):
-    entries, bound = grid
-    uniform = _rows_to_average(config, inputs, docs) if _may_see_nothing(config) else None
-    cleared = d_output
-    if uniform is not None:  # those rows are the mean of all values: not cuDNN's to grade
-        cleared = jnp.where(uniform[:, :, None, None], 0, d_output)
-    dq, dk, dv, _ = _ffi.sdpa_backward(inputs, output, jnp.swapaxes(lse, 1, 2), cleared,
-                                       config, _ragged_operands(inputs, docs, entries),
-                                       max_document_length=bound, poison_rows=poison_rows)
-    if uniform is not None:
-        extra = mean_value_gradient(inputs["query"].shape[2], inputs["value"],
-                                    jnp.where(uniform[:, :, None, None], d_output, 0))
-        dv = (dv.astype(jnp.float32) + extra).astype(dv.dtype)
-    return dq, dk, dv, None
+def _add_value_gradient(dv, extra):
+    return dv if extra is None else (dv.astype(jnp.float32) + extra).astype(dv.dtype)
 
 
 # A caller who states the documents' bound (max_document_length) gets one ragged grid and no
@@ -214,30 +209,91 @@ def _stated_documents(config, docs):
                          kv_len=jnp.minimum(docs.kv_len, bound_kv)), broken
 
 
+# A checked call (no statement) is a lax.switch over its grids and the exact fallback. What
+# every ragged branch shares is computed once, outside the switch: the document table, its
+# operands for the most entries (a grid of fewer entries reads their first rows: documents are
+# compacted to the front), the empty rows' fill and the token-major lse. A ragged branch is
+# then one custom call, which XLA compiles in no time, and whose graph is built when it first
+# runs: the workspace is sized once, from the largest grid's graph.
+class _CheckedGrids:
+    def __init__(self, config, inputs, docs):
+        query, key = inputs["query"], inputs["key"]
+        self.grids = ragged_grids(query.shape[0], config.max_segments, query.shape[1],
+                                  key.shape[1])
+        self.index = _branch(docs, self.grids)
+        largest = max(entries for entries, _ in self.grids)
+        q_lengths, kv_lengths, offsets = _ragged_operands(inputs, docs, largest)
+        self.operands = {entries: (q_lengths[..., :entries], kv_lengths[..., :entries], offsets)
+                         for entries in {entries for entries, _ in self.grids}}
+        self.workspace_for = (self.operands[largest], (query.shape[1], key.shape[1]))
+
+    def forward(self, config, inputs):
+        """(output, token-major lse) of the grid the documents fit, or of the fallback."""
+        def ragged(grid, inputs):
+            entries, bound = grid
+            return _ffi.sdpa_forward(inputs, config, self.operands[entries],
+                                     max_document_length=bound,
+                                     workspace_for=self.workspace_for)
+
+        def exact(inputs):
+            output, lse = packed_fallback.forward(config, inputs)
+            return output, jnp.swapaxes(lse, 1, 2)
+        branches = [functools.partial(ragged, grid) for grid in self.grids]
+        return jax.lax.switch(self.index, branches + [exact], inputs)
+
+    def backward(self, config, inputs, output, lse, d_output, cleared):
+        """(dq, dk, dv) of the grid the documents fit (given the token-major lse and d_output
+        cleared of the filled rows), or of the fallback (given them as they came)."""
+        lse_tokens = jnp.swapaxes(lse, 1, 2)
+
+        def ragged(grid, inputs):
+            entries, bound = grid
+            return _ffi.sdpa_backward(inputs, output, lse_tokens, cleared, config,
+                                      self.operands[entries], max_document_length=bound,
+                                      workspace_for=self.workspace_for)[:3]
+
+        def exact(inputs):
+            return packed_fallback.backward(config, inputs, output, lse, d_output)[:3]
+        branches = [functools.partial(ragged, grid) for grid in self.grids]
+        return jax.lax.switch(self.index, branches + [exact], inputs)
+
+
+def _fallback_rows(docs):
+    """bool [B]: every row when the checked call runs its fallback, else none."""
+    return jnp.broadcast_to(~docs.ok, docs.row_ok.shape)
+
+
 def _packed_forward(config, inputs):
     docs = _documents(config, inputs)
     if config.max_document_length:
         # A row that broke the statement comes back NaN at its first token (the handler
         # writes it: XLA cannot update a slice of a custom call's result in place).
         docs, broken = _stated_documents(config, docs)
-        output, lse = _ragged_forward(config, docs, _stated_grid(inputs, config), inputs,
-                                        poison_rows=broken)
+        entries, bound = _stated_grid(inputs, config)
+        output, lse = _ffi.sdpa_forward(inputs, config, _ragged_operands(inputs, docs, entries),
+                                        max_document_length=bound, poison_rows=broken)
+        output, lse = _average_empty_rows(config, inputs, docs, output, jnp.swapaxes(lse, 1, 2),
+                                          rows_kept=broken)
         return output, jnp.where(broken[:, None, None], jnp.nan, lse)
-    grids = _packed_grids(inputs, config)
-    branches = [functools.partial(_ragged_forward, config, docs, grid) for grid in grids]
-    exact = functools.partial(packed_fallback.forward, config)
-    return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs)
+    output, lse = _CheckedGrids(config, inputs, docs).forward(config, inputs)
+    # The fallback fills its own rows: the table describes none of them.
+    return _average_empty_rows(config, inputs, docs, output, jnp.swapaxes(lse, 1, 2),
+                               rows_kept=_fallback_rows(docs))
 
 
 def _packed_backward(config, inputs, output, lse, d_output):
     docs = _documents(config, inputs)
     if config.max_document_length:
         docs, broken = _stated_documents(config, docs)
-        return _ragged_backward(config, docs, _stated_grid(inputs, config), inputs, output,
-                                lse, d_output, poison_rows=broken)
-    grids = _packed_grids(inputs, config)
-    exact = functools.partial(packed_fallback.backward, config)
-    branches = [functools.partial(_ragged_backward, config, docs, grid) for grid in grids]
-    return jax.lax.switch(_branch(docs, grids), branches + [exact], inputs, output, lse,
-                          d_output)
-
+        entries, bound = _stated_grid(inputs, config)
+        cleared, extra = _average_rows_gradient(config, inputs, docs, d_output)
+        dq, dk, dv, _ = _ffi.sdpa_backward(
+            inputs, output, jnp.swapaxes(lse, 1, 2), cleared, config,
+            _ragged_operands(inputs, docs, entries), max_document_length=bound,
+            poison_rows=broken)
+        return dq, dk, _add_value_gradient(dv, extra), None
+    cleared, extra = _average_rows_gradient(config, inputs, docs, d_output,
+                                            rows_kept=_fallback_rows(docs))
+    dq, dk, dv = _CheckedGrids(config, inputs, docs).backward(config, inputs, output, lse,
+                                                              d_output, cleared)
+    return dq, dk, _add_value_gradient(dv, extra), None

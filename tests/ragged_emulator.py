@@ -140,7 +140,7 @@ def _poisoned(x, poison_rows):
 
 
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None):
+                 poison_rows=None, workspace_for=None):  # (no workspace here)
     if ragged_operands is None:
         return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -191,7 +191,7 @@ def _dense_backward(inputs, output, lse, d_output, config):
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None):
+                  max_document_length=(0, 0), poison_rows=None, workspace_for=None):
     if ragged_operands is None:
         return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
