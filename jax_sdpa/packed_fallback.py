@@ -31,10 +31,8 @@ _MIN_BLOCK = 64
 
 
 def _dense_spec(config):
-    """The blocks' calls: the packed call's scale and determinism, every mask in the bias."""
-    if config.dropout:
-        raise ValueError("the packed fallback takes no dropout (planning sends dropout to the "
-                         "reference)")
+    """The blocks' calls: the packed call's scale, determinism and dropout, every mask in the
+    bias."""
     return dataclasses.replace(
         config, window_left=-1, window_right=-1, bottom_right=False, has_bias=True,
         bias_batch_full=True, bias_heads_full=False, bias_grad=False, has_lengths=False,
@@ -47,6 +45,20 @@ def _blocks(inputs):
     kv_seq_len = inputs["key"].shape[1]
     return QueryBlocks(q_seq_len, min(q_seq_len, max(_MIN_BLOCK,
                                                      _BIAS_ELEMENTS // (batch * kv_seq_len))))
+
+
+def _block_inputs(inputs, q_block, seen, index):
+    """A block's dense call: its queries, every key and value, the keys it sees as a bias, and
+    with dropout a seed of its own (drawn from the call's and the block's index, so that blocks
+    drop independently, and the backward's block drops what the forward's dropped)."""
+    block = dict(query=q_block, key=inputs["key"], value=inputs["value"],
+                 bias=mask_to_bias(seen, q_block.dtype))
+    seed = inputs.get("dropout_seed")
+    if seed is not None:
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed[:2]), index)
+        block["dropout_seed"] = jnp.concatenate([jax.random.bits(key, (2,), jnp.uint32),
+                                                 seed[2:]])
+    return block
 
 
 def _seen(config, inputs, blocks, ids_block, index):
@@ -74,7 +86,7 @@ def _seen(config, inputs, blocks, ids_block, index):
 
 def forward(config, inputs):
     """(output [B, T, N, Hv], lse float32 [B, N, T]) of a packed call's inputs (no sinks)."""
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    query, value = inputs["query"], inputs["value"]
     q_heads = query.shape[2]
     blocks, dense = _blocks(inputs), _dense_spec(config)
     average = mean_value(q_heads, value)[:, None]  # [B, 1, N, Hv]
@@ -82,9 +94,7 @@ def forward(config, inputs):
     def one_block(args):
         q_block, ids_block, index = args
         seen, averaged = _seen(config, inputs, blocks, ids_block, index)
-        output, lse = _ffi.sdpa_forward(
-            dict(query=q_block, key=key, value=value, bias=mask_to_bias(seen, query.dtype)),
-            dense)
+        output, lse = _ffi.sdpa_forward(_block_inputs(inputs, q_block, seen, index), dense)
         empty = ~jnp.any(seen, axis=-1)  # [B, 1, block]
         output, lse = fill_empty_rows(output, lse, empty, average)
         zeros = jnp.swapaxes(empty & ~averaged, 1, 2)[..., None]  # [B, block, 1, 1]
@@ -110,8 +120,8 @@ def backward(config, inputs, output, lse, d_output):
         # Rows that see no key are not cuDNN's to grade, and their lse (the empty row's, a
         # huge negative) must not reach its exp(scores - lse): 0 there, with no cotangent.
         dq, dk, dv, _ = _ffi.sdpa_backward(
-            dict(query=q_block, key=key, value=value, bias=mask_to_bias(seen, query.dtype)),
-            out_block, jnp.where(empty, 0.0, lse_block),
+            _block_inputs(inputs, q_block, seen, index), out_block,
+            jnp.where(empty, 0.0, lse_block),
             jnp.where(empty_rows, jnp.zeros((), d_out_block.dtype), d_out_block), dense)
         mean_rows = jnp.swapaxes(empty & averaged, 1, 2)[..., None]
         dv_mean = mean_value_gradient(q_heads, value, jnp.where(mean_rows, d_out_block, 0))

@@ -184,3 +184,22 @@ def reference_gradients(f_ref, q, k, v, d_out):
     up = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
     out, vjp = jax.vjp(jax.jit(f_ref), *up[:3])
     return (out, *vjp(up[3]))
+
+
+def directional_derivative_error(f, args, step=0.01):
+    """Relative gap between f's gradient along itself and f's central difference along the
+    same (rounded) step: a backward that drops other weights than its forward (dropout) points
+    elsewhere than the function rises, a gap of order one. f: half-precision arrays -> float32
+    scalar, deterministic (a fixed dropout key)."""
+    grads = jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+    rms = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads) /
+                   sum(g.size for g in grads))
+    plus, minus = [], []
+    for g, x in zip(grads, args):
+        direction = step * g.astype(jnp.float32) / rms
+        plus.append((x.astype(jnp.float32) + direction).astype(x.dtype))
+        minus.append((x.astype(jnp.float32) - direction).astype(x.dtype))
+    predicted = sum(jnp.vdot(g.astype(jnp.float32), p.astype(jnp.float32) - m.astype(jnp.float32))
+                    for g, p, m in zip(grads, plus, minus))
+    measured = jax.jit(f)(*plus) - jax.jit(f)(*minus)
+    return float(abs(predicted - measured) / abs(measured))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import (assert_close_to_reference, gradient_patterns, random_qkv,
-                      reference_gradients, relative_error)
+from conftest import (assert_close_to_reference, directional_derivative_error,
+                      gradient_patterns, random_qkv, reference_gradients, relative_error)
 from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
@@ -123,22 +123,34 @@ def test_packed_lse_and_deterministic_backward():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_packed_dropout_keeps_its_rate_and_its_mask():
-    """Dropout on the ragged layout: the same key gives the same bits, outputs average to the
-    undropped one over keys, and the backward drops what the forward dropped (checked against
-    the gradient of the output it produced, by a finite difference along a direction)."""
+@pytest.mark.parametrize("rows", ["contiguous", "reused_id"])
+def test_packed_dropout_keeps_its_rate_and_its_mask(rows):
+    """Dropout on the ragged layout, and (an id reused after a gap) in the exact fallback's
+    blocks: the same key gives the same bits, outputs average to the undropped one over keys,
+    and the backward drops what the forward dropped (its gradient agrees with the output's
+    central difference)."""
     rng = np.random.default_rng(5)
-    q, k, v, _ = random_qkv(33, 1, 512, 512, 4, 4, 64, jnp.bfloat16)
-    ids = packed_ids(rng, 1, 512, low=60, high=200)
-    fn = jax.jit(lambda key: jax_sdpa.dot_product_attention(
-        q, k, v, is_causal=True, query_segment_ids=ids, dropout_rate=0.2, dropout_rng=key,
-        implementation="cudnn").astype(jnp.float32))
+    q, k, v, d_out = random_qkv(33, 1, 512, 512, 4, 4, 64, jnp.float16)
+    ids = np.array(packed_ids(rng, 1, 512, low=60, high=200))
+    if rows == "reused_id":
+        ids[0, 300:350] = ids[0, 0]
+
+    def attention(q, k, v, key):
+        return jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=jnp.asarray(ids), dropout_rate=0.2,
+            dropout_rng=key, implementation="cudnn").astype(jnp.float32)
+    fn = jax.jit(lambda key: attention(q, k, v, key))
     a, b = fn(jax.random.key(1)), fn(jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     many = jax.vmap(fn)(jax.random.split(jax.random.key(2), 128))
-    plain = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+    plain = jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
+                                           query_segment_ids=jnp.asarray(ids),
                                            implementation="cudnn")
     assert relative_error(many.mean(0), plain) < 0.08
+
+    def loss(q, k, v):
+        return jnp.vdot(attention(q, k, v, jax.random.key(3)), d_out.astype(jnp.float32))
+    assert directional_derivative_error(loss, (q, k, v)) < 0.05
 
 
 def test_non_contiguous_ids_take_the_exact_path():

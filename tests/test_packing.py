@@ -12,7 +12,8 @@ import pytest
 import jax_sdpa
 from jax_sdpa import _ffi, kernels, packed_fallback, packing, planning
 import ragged_emulator
-from conftest import gradient_patterns, random_qkv, reference_gradients, relative_error
+from conftest import (directional_derivative_error, gradient_patterns, random_qkv,
+                      reference_gradients, relative_error)
 
 B, T, N, K, H = 2, 48, 4, 2, 32
 
@@ -149,6 +150,24 @@ def test_fallback_at_one_row_under_every_gradient_pattern(t, emulated_cudnn, mon
     for name, run in gradient_patterns(attention("cudnn")):
         for label, a, b in zip(("output", "dq", "dk", "dv"), run(q, k, v, d_out), ref):
             assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
+
+
+def test_fallback_dropout_backward_drops_what_its_forward_dropped(emulated_cudnn, monkeypatch):
+    """Dropout in the exact fallback's blocks of 7 rows, each block with a seed of its own: one
+    key gives one output, and the gradient agrees with the output's central difference (a
+    backward block dropping other weights than its forward block's gives a gap of ~0.4)."""
+    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 7)
+    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    q, k, v, d_out = (x.astype(jnp.float16) for x in qkv(21))
+    ids = jnp.asarray(np.stack(ROWS["reused_id"]))
+
+    def loss(q, k, v):
+        out = jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, dropout_rate=0.3,
+            dropout_rng=jax.random.key(4), implementation="cudnn")
+        return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
+    assert float(jax.jit(loss)(q, k, v)) == float(jax.jit(loss)(q, k, v))
+    assert directional_derivative_error(loss, (q, k, v)) < 0.05
 
 
 def random_ids(rng, length, reuse):
