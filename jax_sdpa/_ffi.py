@@ -40,6 +40,11 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=
     return operands
 
 
+def _planned_as(described, workspace_for):
+    """_call_with_workspace's planned_as from a call's workspace_for."""
+    return described(*workspace_for) if workspace_for else workspace_for
+
+
 def _described(inputs, config, leading, ragged_operands, max_document_length, *, poison_rows,
                fp8_scales):
     """(operands, attributes) of a call: the leading operands, then the optional ones."""
@@ -90,17 +95,18 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
     inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
     from the call's graph, built here (on this process's first GPU) and cached for the call;
     without a GPU, or a graph that needs none, the handler takes scratch memory per call
-    instead. keys: each query row's keys (for the call's work). planned_as: None, or the
+    instead. keys: each query row's keys (for the call's work). planned_as: None; or the
     (operands, attributes) of a larger call whose graph sizes the workspace instead (one graph
-    built while tracing for many calls; the handler takes scratch memory if it falls short).
-    Returns the call's other results."""
+    built while tracing for many calls; the handler takes scratch memory if it falls short); or
+    False: no graph built while tracing, scratch memory (for calls that seldom run). Returns
+    the call's other results."""
     query, value = operands[0], operands[2]
     flops = command_buffers.call_flops(query, keys, value.shape[-1])
     buffered = command_buffers.records_into_command_buffers(config, flops)
     attributes = dict(attributes, command_buffer=buffered, workspace_result=False)
     device = _gpu_ordinal()
     workspace = 0
-    if device is not None:
+    if device is not None and planned_as is not False:
         planned_operands, planned_attributes = planned_as or (operands, attributes)
         planned_attributes = dict(planned_attributes, command_buffer=buffered,
                                   workspace_result=False)
@@ -128,8 +134,9 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
     bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an
     FP8 call's float32 scale rows (e4m3 query, key and value; the output comes back e4m3 too,
-    and the amaxes as a third result); workspace_for: None, or the (ragged_operands,
-    max_document_length) of a larger ragged grid whose graph sizes the workspace.
+    and the amaxes as a third result); workspace_for: None; the (ragged_operands,
+    max_document_length) of a larger ragged grid whose graph sizes the workspace; or False:
+    scratch memory, and no graph built while tracing.
     """
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -148,7 +155,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
                                 "broadcast_all", key.shape[-3],
-                                workspace_for and described(*workspace_for))
+                                _planned_as(described, workspace_for))
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
@@ -174,7 +181,7 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     operands, attributes = described(ragged_operands, max_document_length)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", key.shape[-3],
-                                   workspace_for and described(*workspace_for))
+                                   _planned_as(described, workspace_for))
     amaxes = (results[-1],) if fp8_scales is not None else ()
     return (*results[:3], results[3] if with_dbias else None, *amaxes)
 

@@ -2,9 +2,10 @@
 express (a document split into runs, more documents than slots): blocks of query rows against
 every key, each block one dense cuDNN call whose segment ids, band and lengths arrive as a
 [B, 1, block, S] bias. Memory O(block x S), the block sized by _BIAS_ELEMENTS (a whole
-[T, S] only where that is small); two cuDNN graphs whatever the ids, and no reference in the
-compiled program (its matmuls cost seconds of XLA autotuning in every checked packed call,
-which compiles this branch beside its ragged ones).
+[T, S] only where that is small); two cuDNN graphs whatever the ids, built when the fallback
+first runs (not while tracing: most checked calls never run it; their workspace is scratch
+memory), and no reference in the compiled program (its matmuls cost seconds of XLA autotuning
+in every checked packed call, which compiles this branch beside its ragged ones).
 
 The rows come out as the reference gives them (jax_sdpa/reference.py): a row that sees no key
 is the mean of all values, rows past the query lengths and rows of an entry without keys are
@@ -94,7 +95,8 @@ def forward(config, inputs):
     def one_block(args):
         q_block, ids_block, index = args
         seen, averaged = _seen(config, inputs, blocks, ids_block, index)
-        output, lse = _ffi.sdpa_forward(_block_inputs(inputs, q_block, seen, index), dense)
+        output, lse = _ffi.sdpa_forward(_block_inputs(inputs, q_block, seen, index), dense,
+                                        workspace_for=False)
         empty = ~jnp.any(seen, axis=-1)  # [B, 1, block]
         output, lse = fill_empty_rows(output, lse, empty, average)
         zeros = jnp.swapaxes(empty & ~averaged, 1, 2)[..., None]  # [B, block, 1, 1]
@@ -122,7 +124,8 @@ def backward(config, inputs, output, lse, d_output):
         dq, dk, dv, _ = _ffi.sdpa_backward(
             _block_inputs(inputs, q_block, seen, index), out_block,
             jnp.where(empty, 0.0, lse_block),
-            jnp.where(empty_rows, jnp.zeros((), d_out_block.dtype), d_out_block), dense)
+            jnp.where(empty_rows, jnp.zeros((), d_out_block.dtype), d_out_block), dense,
+            workspace_for=False)
         mean_rows = jnp.swapaxes(empty & averaged, 1, 2)[..., None]
         dv_mean = mean_value_gradient(q_heads, value, jnp.where(mean_rows, d_out_block, 0))
         return (dk_sum + dk.astype(jnp.float32),
