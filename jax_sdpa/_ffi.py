@@ -40,11 +40,6 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=
     return operands
 
 
-def _planned_as(described, workspace_for):
-    """_call_with_workspace's planned_as from a call's workspace_for."""
-    return described(*workspace_for) if workspace_for else workspace_for
-
-
 def _described(inputs, config, leading, ragged_operands, max_document_length, *, poison_rows,
                fp8_scales):
     """(operands, attributes) of a call: the leading operands, then the optional ones."""
@@ -155,7 +150,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
                                 "broadcast_all", key.shape[-3],
-                                _planned_as(described, workspace_for))
+                                workspace_for and described(*workspace_for))
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
@@ -181,7 +176,7 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     operands, attributes = described(ragged_operands, max_document_length)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", key.shape[-3],
-                                   _planned_as(described, workspace_for))
+                                   workspace_for and described(*workspace_for))
     amaxes = (results[-1],) if fp8_scales is not None else ()
     return (*results[:3], results[3] if with_dbias else None, *amaxes)
 

@@ -162,26 +162,31 @@ def _branch(docs, grids):
     return jnp.where(docs.ok, jnp.argmax(fits), len(grids))
 
 
+def _uniform_rows(config, inputs, docs, rows_kept):
+    """bool [B, T] or None: the rows a ragged call leaves to be made the values' mean (rows that
+    see no key; none but those of rows_kept, bool [B] or None: poisoned, or not the ragged
+    layout's), None where no row can see nothing."""
+    if not _may_see_nothing(config):
+        return None
+    uniform = _rows_to_average(config, inputs, docs)
+    return uniform if rows_kept is None else uniform & ~rows_kept[:, None]
+
+
 def _average_empty_rows(config, inputs, docs, output, lse, rows_kept=None):
     """A ragged call's rows that see no key, made the reference's (the values' mean); lse
-    [B, N, T]. rows_kept: bool [B] or None: rows left as they are (poisoned, or not the
-    ragged layout's)."""
-    if not _may_see_nothing(config):
+    [B, N, T]."""
+    uniform = _uniform_rows(config, inputs, docs, rows_kept)
+    if uniform is None:
         return output, lse
-    uniform = _rows_to_average(config, inputs, docs)
-    if rows_kept is not None:
-        uniform &= ~rows_kept[:, None]
     average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
     return fill_empty_rows(output, lse, uniform[:, None, :], average)
 
 
 def _average_rows_gradient(config, inputs, docs, d_output, rows_kept=None):
     """(d_output without the rows _average_empty_rows fills, those rows' dV or None)."""
-    if not _may_see_nothing(config):
+    uniform = _uniform_rows(config, inputs, docs, rows_kept)
+    if uniform is None:
         return d_output, None
-    uniform = _rows_to_average(config, inputs, docs)
-    if rows_kept is not None:
-        uniform &= ~rows_kept[:, None]
     uniform = uniform[:, :, None, None]
     return (jnp.where(uniform, 0, d_output),
             mean_value_gradient(inputs["query"].shape[2], inputs["value"],
@@ -226,9 +231,12 @@ class _CheckedGrids:
         self.operands = {entries: (q_lengths[..., :entries], kv_lengths[..., :entries], offsets)
                          for entries in {entries for entries, _ in self.grids}}
         self.workspace_for = (self.operands[largest], (query.shape[1], key.shape[1]))
+        self.config = config
 
-    def forward(self, config, inputs):
+    def forward(self, inputs):
         """(output, token-major lse) of the grid the documents fit, or of the fallback."""
+        config = self.config
+
         def ragged(grid, inputs):
             entries, bound = grid
             return _ffi.sdpa_forward(inputs, config, self.operands[entries],
@@ -241,10 +249,10 @@ class _CheckedGrids:
         branches = [functools.partial(ragged, grid) for grid in self.grids]
         return jax.lax.switch(self.index, branches + [exact], inputs)
 
-    def backward(self, config, inputs, output, lse, d_output, cleared):
+    def backward(self, inputs, output, lse, d_output, cleared):
         """(dq, dk, dv) of the grid the documents fit (given the token-major lse and d_output
         cleared of the filled rows), or of the fallback (given them as they came)."""
-        lse_tokens = jnp.swapaxes(lse, 1, 2)
+        config, lse_tokens = self.config, jnp.swapaxes(lse, 1, 2)
 
         def ragged(grid, inputs):
             entries, bound = grid
@@ -275,7 +283,7 @@ def _packed_forward(config, inputs):
         output, lse = _average_empty_rows(config, inputs, docs, output, jnp.swapaxes(lse, 1, 2),
                                           rows_kept=broken)
         return output, jnp.where(broken[:, None, None], jnp.nan, lse)
-    output, lse = _CheckedGrids(config, inputs, docs).forward(config, inputs)
+    output, lse = _CheckedGrids(config, inputs, docs).forward(inputs)
     # The fallback fills its own rows: the table describes none of them.
     return _average_empty_rows(config, inputs, docs, output, jnp.swapaxes(lse, 1, 2),
                                rows_kept=_fallback_rows(docs))
@@ -294,6 +302,6 @@ def _packed_backward(config, inputs, output, lse, d_output):
         return dq, dk, _add_value_gradient(dv, extra), None
     cleared, extra = _average_rows_gradient(config, inputs, docs, d_output,
                                             rows_kept=_fallback_rows(docs))
-    dq, dk, dv = _CheckedGrids(config, inputs, docs).backward(config, inputs, output, lse,
-                                                              d_output, cleared)
+    dq, dk, dv = _CheckedGrids(config, inputs, docs).backward(inputs, output, lse, d_output,
+                                                              cleared)
     return dq, dk, _add_value_gradient(dv, extra), None
