@@ -213,6 +213,22 @@ def test_exact_fallback_at_one_row_under_every_gradient_pattern(t, monkeypatch):
         assert_close_to_reference(run(q, k, v, d_out), ref, context=f"{name} T={t}")
 
 
+@pytest.mark.parametrize("t", [7, 2501])
+def test_checked_ragged_call_at_one_row_under_every_gradient_pattern(t):
+    """B = 1, T = 7 or 2501 (T = S = 1 has no cuDNN backward), contiguous documents (the ragged branch the documents fit, its
+    operands the first rows of the most entries'): jit(grad), vjp(jit), grad(jit) and
+    checkpoint against the float32 reference."""
+    ids = jnp.asarray(packed_ids(np.random.default_rng(9), 1, t, low=1, high=max(2, t // 3)))
+    q, k, v, d_out = random_qkv(38, 1, t, t, 4, 2, 64, jnp.bfloat16)
+
+    def attention(implementation):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
+    for name, run in gradient_patterns(attention("cudnn")):
+        assert_close_to_reference(run(q, k, v, d_out), ref, context=f"{name} T={t}")
+
+
 def test_one_query_one_key_backward_takes_the_reference():
     """cuDNN's backward refuses T = S = 1: the default call's backward runs the reference (with
     a warning); implementation='cudnn' refuses up front."""

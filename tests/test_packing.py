@@ -152,6 +152,24 @@ def test_fallback_at_one_row_under_every_gradient_pattern(t, emulated_cudnn, mon
             assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
 
 
+@pytest.mark.parametrize("t", [2, 7])
+def test_checked_ragged_call_at_one_row_under_every_gradient_pattern(t, emulated_cudnn):
+    """B = 1, T = 2 or 7 (T = S = 1 has no cuDNN backward: planning refuses it), contiguous
+    documents (a ragged branch of the checked call, its
+    operands the first rows of the most entries'): jit(grad), vjp(jit), grad(jit) and
+    checkpoint give the reference's values and gradients."""
+    ids = jnp.asarray([[1, 1, 1, 2, 2, 3, 3][:t]], jnp.int32)
+    q, k, v, d_out = random_qkv(t, 1, t, t, N, K, H, jnp.bfloat16)
+
+    def attention(implementation):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation)
+    ref = reference_gradients(attention("xla"), q, k, v, d_out)
+    for name, run in gradient_patterns(attention("cudnn")):
+        for label, a, b in zip(("output", "dq", "dk", "dv"), run(q, k, v, d_out), ref):
+            assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
+
+
 def test_fallback_dropout_backward_drops_what_its_forward_dropped(emulated_cudnn, monkeypatch):
     """Dropout in the exact fallback's blocks of 7 rows, each block with a seed of its own: one
     key gives one output, and the gradient agrees with the output's central difference (a
