@@ -215,9 +215,9 @@ def test_exact_fallback_at_one_row_under_every_gradient_pattern(t, monkeypatch):
 
 @pytest.mark.parametrize("t", [7, 2501])
 def test_checked_ragged_call_at_one_row_under_every_gradient_pattern(t):
-    """B = 1, T = 7 or 2501 (T = S = 1 has no cuDNN backward), contiguous documents (the ragged branch the documents fit, its
-    operands the first rows of the most entries'): jit(grad), vjp(jit), grad(jit) and
-    checkpoint against the float32 reference."""
+    """B = 1, T = 7 or 2501 (T = S = 1 has no cuDNN backward), contiguous documents (the ragged
+    branch the documents fit, its operands the first rows of the most entries'): jit(grad),
+    vjp(jit), grad(jit) and checkpoint against the float32 reference."""
     ids = jnp.asarray(packed_ids(np.random.default_rng(9), 1, t, low=1, high=max(2, t // 3)))
     q, k, v, d_out = random_qkv(38, 1, t, t, 4, 2, 64, jnp.bfloat16)
 
