@@ -1,12 +1,14 @@
 """Where a GPT-2 training step's time goes, per way of cutting rows (windows, packed, padded).
 
     python -m benchmarks.train_profile [--rows windows packed padded] [--steps 10] [--trace DIR]
+                                       [--compare]
 
 Builds examples/train_gpt2.py's step (gpt2 preset unless told otherwise), runs a few warm-up
 steps, then times single steps (each waited for) and prints the median, the spread and the
 first steps' times (graph builds show up there). With --trace, also traces two warm steps per
 mode with jax.profiler and prints the GPU time per kernel name and the GPU-busy share of the
-wall time: a step far longer than its kernels waits on the host.
+wall time: a step far longer than its kernels waits on the host. With --compare (and --trace),
+also the kernels whose time per step differs most between the first mode and each other one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ def _step_and_batches(rows, extra):
     return train_step, next_batch, params, opt_state
 
 
+_TRACED_STEPS = 2
+
+
 def profile(rows, steps, extra, trace_dir=None):
+    """Times the mode's steps; with trace_dir, traces two more and returns their
+    ({kernel name: µs}, {kernel name: events}), else None."""
     train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
     seconds, tokens = [], 0
     for step in range(steps + 3):
@@ -60,7 +67,7 @@ def profile(rows, steps, extra, trace_dir=None):
     print(f"  per step (ms): {' '.join(f'{s * 1e3:.0f}' for s in timed)}", flush=True)
     if trace_dir:
         directory = f"{trace_dir}/{rows}"
-        batches = [next_batch() for _ in range(2)]
+        batches = [next_batch() for _ in range(_TRACED_STEPS)]
         start = time.perf_counter()
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             for x, y, batch_rows, _ in batches:
@@ -72,6 +79,19 @@ def profile(rows, steps, extra, trace_dir=None):
         print(f"  traced 2 steps: wall {wall * 1e3:.0f} ms (tracing included), GPU kernels "
               f"{busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
         print("\n".join(kernel_table(totals, counts, limit=15)))
+        return totals, counts
+    return None
+
+
+def compare(first, other, name, limit=20):
+    """The kernels whose GPU time per traced step differs most between two modes' traces."""
+    (totals, counts), (base, base_counts) = other, first
+    names = sorted(set(totals) | set(base), key=lambda k: -abs(totals[k] - base[k]))
+    print(f"{name}, GPU µs per step against the first mode (this, first, difference, events):")
+    for kernel in names[:limit]:
+        mine, theirs = totals[kernel] / _TRACED_STEPS, base[kernel] / _TRACED_STEPS
+        print(f"    {mine:9.0f} {theirs:9.0f} {mine - theirs:+9.0f}  x{counts[kernel]:<5} "
+              f"x{base_counts[kernel]:<5} {kernel[:90]}")
 
 
 def main(argv=None):
@@ -79,9 +99,16 @@ def main(argv=None):
     parser.add_argument("--rows", nargs="+", default=["windows", "packed", "padded"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--trace", default=None, help="a directory for jax.profiler traces")
+    parser.add_argument("--compare", action="store_true",
+                        help="with --trace: per-kernel differences against the first mode")
     args, extra = parser.parse_known_args(argv)  # the rest goes to train_gpt2's parser
-    for rows in args.rows:
-        profile(rows, args.steps, extra, args.trace)
+    if args.compare and not args.trace:
+        parser.error("--compare needs --trace")
+    traced = {rows: profile(rows, args.steps, extra, args.trace) for rows in args.rows}
+    if args.compare:
+        first, *others = args.rows
+        for rows in others:
+            compare(traced[first], traced[rows], rows)
 
 
 if __name__ == "__main__":
