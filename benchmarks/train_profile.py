@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))
 import train_gpt2  # noqa: E402
-from gpt2_model import GPT, GPTConfig  # noqa: E402
+from gpt2_model import GPT  # noqa: E402
 from benchmarks.traces import kernel_table, kernel_times  # noqa: E402
 
 
@@ -33,8 +33,7 @@ def _step_and_batches(rows, extra):
     args = train_gpt2.parse_args(["--rows", rows, *extra])
     rng = np.random.default_rng(args.seed)
     next_batch, _, _ = train_gpt2.batches(args, rng)
-    config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                       d_model=args.d_model, dtype=args.dtype, attention=args.attention)
+    config = train_gpt2.model_config(args)
     from flax import nnx  # noqa: PLC0415
     import optax  # noqa: PLC0415
     graphdef, params = nnx.split(GPT(config, nnx.Rngs(args.seed)))

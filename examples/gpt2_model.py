@@ -47,6 +47,10 @@ class GPTConfig:
     logits_soft_cap: float | None = None  # Gemma 2-style capping of the attention scores
     sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
     fp8: bool = False  # FP8 attention (jax_sdpa's fp8=True: e4m3 forward, e5m2 backward)
+    # Rows with segment ids hold at most this many documents (the data loader's promise): told
+    # to jax_sdpa (max_segments, and max_document_length = seq_len), it runs one cuDNN plan
+    # with no check on the device. None: no promise; the call checks the rows itself.
+    documents_per_row: int | None = None
 
 
 class CausalSelfAttention(nnx.Module):
@@ -61,6 +65,10 @@ class CausalSelfAttention(nnx.Module):
             self.variants["logits_soft_cap"] = config.logits_soft_cap
         if config.fp8:
             self.variants["fp8"] = True
+        self.documents = ({} if config.documents_per_row is None or
+                          config.attention != "jax_sdpa" else
+                          dict(max_segments=config.documents_per_row,
+                               max_document_length=config.seq_len))
         # The sinks start at 0: one token's worth of weight going nowhere.
         self.sinks = nnx.Param(jnp.zeros((config.n_head,), jnp.float32)) if config.sinks else None
 
@@ -79,7 +87,10 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x, segment_ids=None):
         q, k, v = self._qkv(x)
-        y = ATTENTION[self.attention](q, k, v, segment_ids, **self._variants())
+        variants = self._variants()
+        if segment_ids is not None:
+            variants.update(self.documents)
+        y = ATTENTION[self.attention](q, k, v, segment_ids, **variants)
         return self.proj(y.reshape(x.shape))
 
     def decode(self, x, cache, page_table, start):

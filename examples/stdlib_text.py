@@ -75,12 +75,20 @@ class DocumentStream:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         self.start = np.repeat(starts, lengths)
 
-    def packed_batch(self, batch: int, seq_len: int, rng: np.random.Generator):
+    def packed_batch(self, batch: int, seq_len: int, rng: np.random.Generator,
+                     max_documents: int | None = None):
         """Rows of seq_len tokens from random offsets: dict of int32 [batch, seq_len] arrays
         tokens, targets (next byte), weights (1 where the target is in the token's document),
         segment_ids (the document; the row's tokens attend within it) and positions (within
-        the document's run in the row)."""
+        the document's run in the row). max_documents: a row holding more documents is drawn
+        again from another offset, so that the attention can be told the bound."""
         offsets = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch)
+        while max_documents is not None:
+            crowded = self._documents_in(offsets, seq_len) > max_documents
+            if not crowded.any():
+                break
+            offsets[crowded] = rng.integers(0, len(self.tokens) - seq_len - 1,
+                                            size=int(crowded.sum()))
         index = offsets[:, None] + np.arange(seq_len + 1)[None, :]
         document = self.document[index]
         positions = index[:, :-1] - np.maximum(self.start[index[:, :-1]], offsets[:, None])
@@ -88,6 +96,10 @@ class DocumentStream:
                     targets=self.tokens[index[:, 1:]].astype(np.int32),
                     weights=(document[:, 1:] == document[:, :-1]).astype(np.float32),
                     segment_ids=document[:, :-1], positions=positions.astype(np.int32))
+
+    def _documents_in(self, offsets, seq_len):
+        """int [rows]: how many documents the rows of seq_len tokens at these offsets hold."""
+        return self.document[offsets + seq_len - 1] - self.document[offsets] + 1
 
     def padded_batch(self, batch: int, seq_len: int, rng: np.random.Generator):
         """One document per row from its first token, cut at seq_len + 1 tokens and padded:

@@ -59,6 +59,10 @@ def parse_args(argv=None):
                         help="how rows are cut from the corpus (see the module docstring)")
     parser.add_argument("--pack", dest="rows", action="store_const", const="packed",
                         help="the same as --rows packed")
+    parser.add_argument("--documents-per-row", type=int, default=4,
+                        help="packed rows hold at most this many documents (a row with more is "
+                             "drawn again) and jax_sdpa is told so: one cuDNN plan, no check on "
+                             "the device; 0: no bound, the call checks the rows itself")
     parser.add_argument("--logits-soft-cap", type=float, default=None,
                         help="cap the attention scores: cap * tanh(scores / cap) (jax_sdpa)")
     parser.add_argument("--sinks", action="store_true",
@@ -72,6 +76,8 @@ def parse_args(argv=None):
             args.attention != "jax_sdpa"):
         parser.error("--logits-soft-cap, --sinks and --fp8-attention need --attention jax_sdpa "
                      "(jax.nn has none of them)")
+    if args.documents_per_row < 0:
+        parser.error("--documents-per-row must be >= 0")
     if args.fp8 and (args.logits_soft_cap is not None or args.sinks or args.rows != "windows"):
         parser.error("--fp8-attention takes causal windows only (no --logits-soft-cap, --sinks "
                      "or packed/padded rows)")
@@ -81,6 +87,18 @@ def parse_args(argv=None):
     settings.update({k: v for k, v in vars(args).items()
                      if k != "preset" and (v is not None or k not in settings)})
     return argparse.Namespace(**settings)
+
+
+def model_config(args):
+    """The model the arguments describe, with what the rows promise about their documents."""
+    documents_per_row = None
+    if args.rows != "windows" and args.documents_per_row:
+        # A padded row is its file and its padding.
+        documents_per_row = 2 if args.rows == "padded" else args.documents_per_row
+    return GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                     d_model=args.d_model, dtype=args.dtype, attention=args.attention,
+                     logits_soft_cap=args.logits_soft_cap, sinks=args.sinks, fp8=args.fp8,
+                     documents_per_row=documents_per_row)
 
 
 def make_train_step(graphdef, optimizer, positions=None):
@@ -122,8 +140,10 @@ def batches(args, rng):
     documents = load_stdlib_documents(args.data_mb * 2**20)
     cut = int(len(documents) * 0.9)
     train_stream, val_stream = DocumentStream(documents[:cut]), DocumentStream(documents[cut:])
-    cut_rows = (DocumentStream.packed_batch if args.rows == "packed" else
-                DocumentStream.padded_batch)
+    def cut_rows(stream, batch, seq_len, rng):
+        if args.rows == "padded":
+            return stream.padded_batch(batch, seq_len, rng)
+        return stream.packed_batch(batch, seq_len, rng, args.documents_per_row or None)
 
     def as_batch(rows):
         x, y = rows.pop("tokens"), rows.pop("targets")
@@ -160,10 +180,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     next_batch, val_batches, train_bytes = batches(args, rng)
-    config = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                       d_model=args.d_model, dtype=args.dtype, attention=args.attention,
-                       logits_soft_cap=args.logits_soft_cap, sinks=args.sinks, fp8=args.fp8)
-    model = GPT(config, nnx.Rngs(args.seed))
+    model = GPT(model_config(args), nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10),

@@ -83,6 +83,29 @@ def test_packed_rows_follow_their_documents():
         np.testing.assert_array_equal(np.diff(positions)[~starts[1:]], 1)
 
 
+def test_packed_rows_keep_their_bound_on_documents():
+    """max_documents: every row holds at most that many documents (what train_gpt2 tells
+    jax_sdpa), rows are still drawn from many offsets, and without it rows hold more."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import numpy as np  # noqa: PLC0415
+    from stdlib_text import DocumentStream  # noqa: PLC0415
+    documents = [np.full(n, i, np.uint8) for i, n in enumerate((5, 3, 9, 4, 2, 6, 3))]
+    stream = DocumentStream(documents)
+
+    def counts(rows):
+        ids = rows["segment_ids"]
+        return 1 + np.count_nonzero(ids[:, 1:] != ids[:, :-1], axis=1)
+    rng = np.random.default_rng(0)
+    for bound in (1, 2):
+        rows = stream.packed_batch(64, 6, rng, max_documents=bound)
+        assert counts(rows).max() <= bound
+        if bound > 1:  # (one document per row: two documents are long enough)
+            distinct = {(*tokens, *positions)
+                        for tokens, positions in zip(rows["tokens"], rows["positions"])}
+            assert len(distinct) > 3
+    assert counts(stream.packed_batch(64, 6, rng)).max() > 2
+
+
 def test_seed_example_passes_its_own_check():
     result = run(str(ROOT / "examples/seed_sdpa_backward.py"), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
