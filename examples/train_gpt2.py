@@ -10,8 +10,10 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
-file, positions restart at its first token, no loss across a file boundary); "padded" rows hold
-one file each from its start, padded. tokens/s counts the tokens that carry a loss.
+file, positions restart at its first token, no loss across a file boundary), at most
+--documents-per-row files per row, which the model states to jax_sdpa (the fast way to run packed
+rows: docs/packed.md); "padded" rows hold one file each from its start, padded. tokens/s counts
+the tokens that carry a loss.
 
 Writes <out-dir>/log.json (config, losses, tokens/s), <out-dir>/loss.png and
 <out-dir>/params.npz (the trained parameters: examples/generate.py samples from them).
