@@ -75,8 +75,8 @@ def profile(rows, steps, extra, trace_dir=None):
         wall = time.perf_counter() - start
         totals, counts = kernel_times(directory)
         busy = sum(totals.values()) / 1e6
-        print(f"  traced 2 steps: wall {wall * 1e3:.0f} ms (tracing included), GPU kernels "
-              f"{busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
+        print(f"  traced {_TRACED_STEPS} steps: wall {wall * 1e3:.0f} ms (tracing included), "
+              f"GPU kernels {busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
         print("\n".join(kernel_table(totals, counts, limit=15)))
         return totals, counts
     return None

@@ -62,6 +62,10 @@ def load_stdlib_documents(max_bytes: int) -> list:
     return documents
 
 
+# How many times packed_batch draws the offsets of rows that hold too many documents.
+_DRAWS = 1000
+
+
 class DocumentStream:
     """Documents back to back, with each token's document index and its document's start, so
     that any window of the stream is a packed row: documents cut at the row's edges carry over
@@ -83,12 +87,8 @@ class DocumentStream:
         the document's run in the row). max_documents: a row holding more documents is drawn
         again from another offset, so that the attention can be told the bound."""
         offsets = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch)
-        while max_documents is not None:
-            crowded = self._documents_in(offsets, seq_len) > max_documents
-            if not crowded.any():
-                break
-            offsets[crowded] = rng.integers(0, len(self.tokens) - seq_len - 1,
-                                            size=int(crowded.sum()))
+        if max_documents is not None:
+            self._redraw_crowded(offsets, seq_len, rng, max_documents)
         index = offsets[:, None] + np.arange(seq_len + 1)[None, :]
         document = self.document[index]
         positions = index[:, :-1] - np.maximum(self.start[index[:, :-1]], offsets[:, None])
@@ -96,6 +96,17 @@ class DocumentStream:
                     targets=self.tokens[index[:, 1:]].astype(np.int32),
                     weights=(document[:, 1:] == document[:, :-1]).astype(np.float32),
                     segment_ids=document[:, :-1], positions=positions.astype(np.int32))
+
+    def _redraw_crowded(self, offsets, seq_len, rng, max_documents):
+        """Draws again, in place, the offsets whose rows hold more than max_documents."""
+        for _ in range(_DRAWS):
+            crowded = self._documents_in(offsets, seq_len) > max_documents
+            if not crowded.any():
+                return
+            offsets[crowded] = rng.integers(0, len(self.tokens) - seq_len - 1,
+                                            size=int(crowded.sum()))
+        raise ValueError(f"rows of {seq_len} tokens holding at most {max_documents} documents "
+                         f"are too rare here ({_DRAWS} draws): raise max_documents")
 
     def _documents_in(self, offsets, seq_len):
         """int [rows]: how many documents the rows of seq_len tokens at these offsets hold."""

@@ -104,6 +104,8 @@ def test_packed_rows_keep_their_bound_on_documents():
                         for tokens, positions in zip(rows["tokens"], rows["positions"])}
             assert len(distinct) > 3
     assert counts(stream.packed_batch(64, 6, rng)).max() > 2
+    with pytest.raises(ValueError, match="max_documents"):  # no row of 10 fits in one document
+        stream.packed_batch(4, 10, rng, max_documents=1)
 
 
 def test_seed_example_passes_its_own_check():
