@@ -15,7 +15,8 @@ import pytest
 import jax_sdpa
 from jax_sdpa import planning
 from conftest import relative_error
-from test_packing import CROSS, ROWS, S, check, emulated_cudnn, qkv, runs  # noqa: F401
+from test_packing import (B, CROSS, N, ROWS, S, T, check, emulated_cudnn, qkv,  # noqa: F401
+                          random_ids, runs)
 
 
 @pytest.mark.parametrize("rows,kwargs", [
@@ -33,6 +34,45 @@ def test_kept_statement_matches_segment_semantics(rows, kwargs, emulated_cudnn):
                               max_document_length=int(longest), **kwargs)
     if "query_seq_lengths" not in kwargs:  # (rows past a length: lse as the unstated path's)
         assert relative_error(lse, lse_ref) < 1e-2
+
+
+def _bounds(ids):
+    """(longest run, most runs in a row) of int ids [rows, tokens]: the tightest statement."""
+    longest, documents = 0, 0
+    for row in ids:
+        starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))
+        lengths = np.diff(np.concatenate([starts, [len(row)]]))
+        longest, documents = max(longest, int(lengths.max())), max(documents, len(starts))
+    return longest, documents
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_kept_statements_match_segment_semantics(seed, emulated_cudnn):
+    """Random packed calls whose statement holds, tight or with slack (self or cross ids, full,
+    causal or window, lengths, GQA, sinks), against the reference."""
+    rng = np.random.default_rng(900 + seed)
+    q_ids = np.stack([random_ids(rng, T, reuse=False) for _ in range(B)])
+    longest, documents = _bounds(q_ids)
+    band = rng.choice(["full", "causal", "window"])
+    kwargs = dict(query_segment_ids=jnp.asarray(q_ids), is_causal=bool(band == "causal"))
+    if band == "window":
+        kwargs["local_window_size"] = (int(rng.integers(0, 10)), int(rng.integers(0, 4)))
+    kv_seq, slack = T, int(rng.integers(0, 3))
+    bound = min(longest + slack, T)
+    if band == "full" and rng.random() < 0.4:  # cross: keys hold the queries' ids, in order
+        kv_seq = int(rng.choice([T, S]))
+        kv_ids = np.stack([np.sort(rng.choice(np.unique(row), kv_seq)) for row in q_ids])
+        kwargs["kv_segment_ids"] = jnp.asarray(kv_ids, jnp.int32)
+        longest_kv, documents_kv = _bounds(kv_ids)
+        documents = max(documents, documents_kv)
+        bound = (bound, min(longest_kv + slack, kv_seq))
+    if rng.random() < 0.5:
+        kwargs["query_seq_lengths"] = jnp.asarray(rng.integers(1, T + 1, B), jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.asarray(rng.integers(1, kv_seq + 1, B), jnp.int32)
+    if rng.random() < 0.3:
+        kwargs["sinks"] = jnp.asarray(rng.normal(size=N), jnp.float32)
+    check(*qkv(seed, kv_seq=kv_seq, kv_heads=int(rng.choice([1, 2, 4]))),
+          max_segments=documents + slack, max_document_length=bound, **kwargs)
 
 
 def test_kept_statement_with_gqa_and_cross_ids(emulated_cudnn):
