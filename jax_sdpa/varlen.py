@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sdpa.attention import dot_product_attention
+from jax_sdpa.reference import large_negative
 from jax_sdpa.validation import int32_array
 
 
@@ -48,7 +49,9 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         query tokens ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1``. Tokens at or past the last
         entry are padding: their output rows are zeros.
       cu_seqlens_kv: the same for key/value tokens; None: the queries' (self-attention, and
-        then total_kv must equal total_q).
+        then total_kv must equal total_q). Each sequence is an attention problem of its own: the
+        queries of a sequence without keys give zero rows (and the residual of a row that sees
+        no key), not the mean of other sequences' values.
       is_causal, local_window_size: within each sequence, from its first token; self-attention
         only (cu_seqlens_kv None): with keys of their own, flash-attn aligns causal bottom-right
         per sequence, which segment ids do not express.
@@ -99,7 +102,23 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         logits_soft_cap=logits_soft_cap, sinks=sinks,
         max_document_length=_max_seqlen(max_seqlen_q, max_seqlen_kv),
         residual_dtype=residual_dtype)
-    if return_residual:
-        output, lse = result
-        return output[0], lse[0]
-    return result[0]
+    output, lse = result if return_residual else (result, None)
+    output, lse = output[0], None if lse is None else lse[0]
+    if cu_seqlens_kv is not None:
+        output, lse = _clear_sequences_without_keys(cu_kv, q_ids, output, lse, sinks)
+    return output if lse is None else (output, lse)
+
+
+def _clear_sequences_without_keys(cu_kv, q_ids, output, lse, sinks):
+    """Each sequence is an attention problem of its own: the queries of one without keys are
+    zeros (dot_product_attention's rows of an entry without keys), their residual the fill of a
+    row that sees no key. On one packed row they would see no key and take the mean of every
+    sequence's values. The where also sends those rows no cotangent."""
+    # Tokens past the last sequence carry id len(cu) - 1: padding, zeros already.
+    no_keys = jnp.concatenate([cu_kv[1:] == cu_kv[:-1], jnp.zeros((1,), bool)])[q_ids[0]]
+    output = jnp.where(no_keys[:, None, None], jnp.zeros((), output.dtype), output)
+    if lse is not None:
+        fill = (jnp.full((), large_negative(), lse.dtype) if sinks is None else
+                jnp.asarray(sinks).astype(lse.dtype)[None, :])
+        lse = jnp.where(no_keys[:, None], fill, lse)
+    return output, lse

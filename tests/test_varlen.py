@@ -2,6 +2,8 @@
 attended one by one: values and gradients, self and cross, padding past the last sequence,
 empty sequences; on the cuDNN path (emulated ragged calls without a GPU) and the reference."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from conftest import relative_error
 from test_packing import emulated_cudnn  # noqa: F401 - the fixture
 
 N, K, H = 4, 2, 16
+SEEDS = 12
 
 
 def tokens(seed, total, heads, dtype):
@@ -39,6 +42,10 @@ CASES = {
     "self_window_padding": (np.array([0, 9, 21, 26], np.int32), None,
                             dict(local_window_size=(3, 0))),
     "cross": (np.array([0, 7, 16, 30], np.int32), np.array([0, 12, 13, 24], np.int32), {}),
+    # The second sequence has no keys: its queries are zeros, not the mean of other
+    # sequences' values.
+    "cross_without_keys": (np.array([0, 7, 16, 30], np.int32),
+                           np.array([0, 12, 12, 24], np.int32), {}),
 }
 
 
@@ -66,6 +73,77 @@ def test_varlen_matches_sequences_one_by_one(name, path, emulated_cudnn):  # noq
     assert np.all(np.asarray(out, np.float32)[cu_q[-1]:] == 0)  # padding rows
     for a, b in zip(vjp(d_out.astype(jnp.bfloat16)), vjp_ref(d_out)):
         assert relative_error(a, b) < 2e-2
+
+
+def _random_cu(rng, total):
+    """Cumulative lengths of random sequences (some empty; no more of them than tokens, which
+    varlen_attention refuses) over total tokens, maybe leaving a tail of padding."""
+    cuts = np.sort(rng.integers(0, total + 1, int(rng.integers(0, min(6, total - 1) + 1))))
+    last = cuts[-1] if len(cuts) else 0
+    end = total if rng.random() < 0.5 else int(rng.integers(last, total + 1))
+    return np.concatenate([[0], cuts, [end]]).astype(np.int32)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_random_varlen_matches_sequences_one_by_one(seed, emulated_cudnn):  # noqa: F811
+    """Random sequences (empty ones, a padding tail), self (full, causal, window) or cross,
+    GQA, the bound stated or not, on the cuDNN path (emulated without a GPU)."""
+    rng = np.random.default_rng(700 + seed)
+    total_q = int(rng.integers(1, 40))
+    cu_q = _random_cu(rng, total_q)
+    kv_heads = int(rng.choice([1, 2, 4]))
+    band = rng.choice(["full", "causal", "window"])
+    kwargs = dict(is_causal=bool(band == "causal"))
+    if band == "window":
+        kwargs["local_window_size"] = (int(rng.integers(0, 6)), int(rng.integers(0, 3)))
+    cu_kv, total_kv = None, total_q
+    if band == "full" and rng.random() < 0.5:
+        # As many sequences of keys, each of 0..7 tokens, maybe a padding tail.
+        cu_kv = np.concatenate([[0], np.cumsum(rng.integers(0, 8, len(cu_q) - 1))])
+        cu_kv = cu_kv.astype(np.int32)
+        total_kv = max(int(cu_kv[-1]) + int(rng.integers(0, 3)), len(cu_q) - 1, 1)
+    stated = {}
+    if rng.random() < 0.5:
+        stated["max_seqlen_q"] = int(np.diff(cu_q).max(initial=0)) + int(rng.integers(0, 3))
+        if cu_kv is not None:
+            stated["max_seqlen_kv"] = int(np.diff(cu_kv).max(initial=0)) + int(rng.integers(0, 3))
+    q = tokens(seed, total_q, N, jnp.bfloat16)
+    k, v = (tokens(seed + i, total_kv, kv_heads, jnp.bfloat16) for i in (1, 2))
+    d_out = tokens(seed + 3, total_q, N, jnp.float32)
+
+    def ours(q, k, v):  # (the default: T = S = 1 has no cuDNN backward, and says so)
+        return jax_sdpa.varlen_attention(q, k, v, jnp.asarray(cu_q),
+                                         None if cu_kv is None else jnp.asarray(cu_kv),
+                                         **kwargs, **stated)
+
+    def expected(q, k, v):
+        return one_by_one(q, k, v, cu_q, cu_q if cu_kv is None else cu_kv, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out, vjp = jax.vjp(jax.jit(ours), q, k, v)
+    out_ref, vjp_ref = jax.vjp(jax.jit(expected), q, k, v)
+    assert relative_error(out, out_ref) < 1e-2
+    assert np.all(np.asarray(out, np.float32)[cu_q[-1]:] == 0)  # padding rows
+    for a, b in zip(vjp(d_out.astype(jnp.bfloat16)), vjp_ref(d_out)):
+        assert relative_error(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sequence_without_keys_residual(sinks, emulated_cudnn):  # noqa: F811
+    """The residual of a sequence without keys is a row that sees no key's: jax.nn's fill, or
+    the sink's logit with sinks."""
+    cu_q, cu_kv = jnp.array([0, 7, 16, 30], jnp.int32), jnp.array([0, 12, 12, 24], jnp.int32)
+    q = tokens(1, 32, N, jnp.bfloat16)
+    k, v = tokens(2, 28, K, jnp.bfloat16), tokens(3, 28, K, jnp.bfloat16)
+    sink = jnp.arange(N, dtype=jnp.float32) if sinks else None
+    out, lse = jax.jit(lambda q, k, v: jax_sdpa.varlen_attention(
+        q, k, v, cu_q, cu_kv, sinks=sink, return_residual=True, implementation="cudnn"))(q, k, v)
+    fill = sink[None, :] if sinks else jnp.full((1, N), -0.7 * np.finfo(np.float32).max)
+    np.testing.assert_array_equal(np.asarray(out[7:16], np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(lse[7:16], np.float32),
+                                  np.broadcast_to(np.asarray(fill.astype(lse.dtype),
+                                                             np.float32), (9, N)))
+    assert np.all(np.isfinite(np.asarray(lse[:7], np.float32)))
 
 
 def test_varlen_refuses_bad_arguments():
