@@ -109,7 +109,8 @@ class DocumentStream:
                          f"are too rare here ({_DRAWS} draws): raise max_documents")
 
     def _documents_in(self, offsets, seq_len):
-        """int [rows]: how many documents the rows of seq_len tokens at these offsets hold."""
+        """int [rows]: how many documents the rows of seq_len tokens at these offsets hold
+        (document indices rise by one from each document to the next along the stream)."""
         return self.document[offsets + seq_len - 1] - self.document[offsets] + 1
 
     def padded_batch(self, batch: int, seq_len: int, rng: np.random.Generator):

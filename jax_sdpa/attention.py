@@ -117,7 +117,7 @@ def _residual(call: AttentionCall, lse, dtype):
     """lse [B, N, T] -> jax.nn's residual [batch..., T, N] in `dtype`, without a gradient. Rows
     past a query length, and every row of a batch entry without keys, see no key: they hold
     the fill of such rows (the sink's logit with sinks), whichever path computed them."""
-    lse = jax.lax.stop_gradient(lse)
+    lse = jax.lax.stop_gradient(lse).swapaxes(-1, -2)  # [B, T, N]
     batch, q_seq_len = call.query.shape[:2]
     padded = jnp.zeros((batch, q_seq_len), bool)
     if call.query_seq_lengths is not None:
@@ -125,7 +125,13 @@ def _residual(call: AttentionCall, lse, dtype):
     if call.key_value_seq_lengths is not None:
         padded |= (call.key_value_seq_lengths <= 0)[:, None]
     if call.query_seq_lengths is not None or call.key_value_seq_lengths is not None:
-        fill = (jnp.full((), large_negative(), lse.dtype) if call.sinks is None else
-                call.sinks.astype(lse.dtype)[None, :, None])
-        lse = jnp.where(padded[:, None, :], fill, lse)
-    return lse.swapaxes(-1, -2).reshape(call.output_shape[:-1]).astype(dtype)
+        lse = jnp.where(padded[:, :, None], empty_row_lse(call.sinks, lse.dtype), lse)
+    return lse.reshape(call.output_shape[:-1]).astype(dtype)
+
+
+def empty_row_lse(sinks, dtype):
+    """The residual of a row that sees no key, broadcastable over a last axis of heads: jax.nn's
+    large negative fill, or with sinks each head's sink logit."""
+    if sinks is None:
+        return jnp.full((), large_negative(), dtype)
+    return jnp.asarray(sinks).astype(dtype)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sdpa.attention import dot_product_attention
-from jax_sdpa.reference import large_negative
+from jax_sdpa.attention import dot_product_attention, empty_row_lse
 from jax_sdpa.validation import int32_array
 
 
@@ -118,7 +117,5 @@ def _clear_sequences_without_keys(cu_kv, q_ids, output, lse, sinks):
     no_keys = jnp.concatenate([cu_kv[1:] == cu_kv[:-1], jnp.zeros((1,), bool)])[q_ids[0]]
     output = jnp.where(no_keys[:, None, None], jnp.zeros((), output.dtype), output)
     if lse is not None:
-        fill = (jnp.full((), large_negative(), lse.dtype) if sinks is None else
-                jnp.asarray(sinks).astype(lse.dtype)[None, :])
-        lse = jnp.where(no_keys[:, None], fill, lse)
+        lse = jnp.where(no_keys[:, None], empty_row_lse(sinks, lse.dtype), lse)
     return output, lse
