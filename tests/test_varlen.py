@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import relative_error
+from conftest import gradient_patterns, reference_gradients, relative_error
 from test_packing import emulated_cudnn  # noqa: F401 - the fixture
 
 N, K, H = 4, 2, 16
@@ -144,6 +144,23 @@ def test_sequence_without_keys_residual(sinks, emulated_cudnn):  # noqa: F811
                                   np.broadcast_to(np.asarray(fill.astype(lse.dtype),
                                                              np.float32), (9, N)))
     assert np.all(np.isfinite(np.asarray(lse[:7], np.float32)))
+
+
+@pytest.mark.parametrize("total", [7, 2501])
+def test_sequence_without_keys_under_every_gradient_pattern(total, emulated_cudnn):  # noqa: F811
+    """Odd totals, a key sequence of no tokens: jit(grad), vjp(jit), grad(jit) and checkpoint
+    give the sequences one by one (the middle one's queries zeros, no gradient through them)."""
+    cu_q = np.array([0, 2, total - 3, total], np.int32)  # most queries in the keyless one
+    cu_kv = np.array([0, 3, 3, total - 1], np.int32)
+    q = tokens(5, total, N, jnp.bfloat16)
+    k, v = tokens(6, total, K, jnp.bfloat16), tokens(7, total, K, jnp.bfloat16)
+    d_out = tokens(8, total, N, jnp.bfloat16)
+    ref = reference_gradients(lambda q, k, v: one_by_one(q, k, v, cu_q, cu_kv), q, k, v, d_out)
+    attention = lambda q, k, v: jax_sdpa.varlen_attention(  # noqa: E731
+        q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), implementation="cudnn")
+    for name, run in gradient_patterns(attention):
+        for label, a, b in zip(("output", "dq", "dk", "dv"), run(q, k, v, d_out), ref):
+            assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
 
 
 def test_varlen_refuses_bad_arguments():
