@@ -1,7 +1,7 @@
 """Where a GPT-2 training step's time goes, per way of cutting rows (windows, packed, padded).
 
     python -m benchmarks.train_profile [--rows windows packed padded] [--steps 10] [--trace DIR]
-                                       [--compare]
+                                       [--compare] [--prefetch]
 
 Builds examples/train_gpt2.py's step (gpt2 preset unless told otherwise), runs a few warm-up
 steps, then times single steps (each waited for) and prints the median, the spread and the
@@ -46,13 +46,17 @@ def _step_and_batches(rows, extra):
 _TRACED_STEPS = 2
 
 
-def profile(rows, steps, extra, trace_dir=None):
+def profile(rows, steps, extra, trace_dir=None, prefetch=False):
     """Times the mode's steps; with trace_dir, traces two more and returns their
-    ({kernel name: µs}, {kernel name: events}), else None."""
+    ({kernel name: µs}, {kernel name: events}), else None. prefetch: each batch is on the
+    device before its step's clock starts (the host-to-device copies left out)."""
     train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
     seconds, tokens = [], 0
     for step in range(steps + 3):
-        x, y, batch_rows, count = next_batch()
+        batch = next_batch()
+        if prefetch:
+            batch = jax.block_until_ready(train_gpt2.on_device(batch))
+        x, y, batch_rows, count = batch
         start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
         float(loss)
@@ -100,10 +104,12 @@ def main(argv=None):
     parser.add_argument("--trace", default=None, help="a directory for jax.profiler traces")
     parser.add_argument("--compare", action="store_true",
                         help="with --trace: per-kernel differences against the first mode")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="put each batch on the device before its step's clock starts")
     args, extra = parser.parse_known_args(argv)  # the rest goes to train_gpt2's parser
     if args.compare and not args.trace:
         parser.error("--compare needs --trace")
-    traced = {rows: profile(rows, args.steps, extra, args.trace) for rows in args.rows}
+    traced = {rows: profile(rows, args.steps, extra, args.trace, args.prefetch) for rows in args.rows}
     if args.compare:
         first, *others = args.rows
         for rows in others:
