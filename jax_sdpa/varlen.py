@@ -30,9 +30,11 @@ def _max_seqlen(max_seqlen_q, max_seqlen_kv):
 
 
 def _segment_ids(cu, total):
-    """int32 [1, total]: each token's sequence; tokens at or past cu[-1] get id len(cu) - 1."""
-    return jnp.searchsorted(cu[1:], jnp.arange(total, dtype=jnp.int32),
-                            side="right").astype(jnp.int32)[None]
+    """int32 [1, total]: each token's sequence, the number of sequence ends cu[1:] at or before
+    it; tokens at or past cu[-1] get id len(cu) - 1. A count of ends per token and its running
+    sum, O(total) with no loop (jnp.searchsorted is a while loop of small kernels on a GPU)."""
+    ends = jnp.zeros((total,), jnp.int32).at[jnp.clip(cu[1:], 0, total)].add(1, mode="drop")
+    return jnp.cumsum(ends, dtype=jnp.int32)[None]
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None,
