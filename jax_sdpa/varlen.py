@@ -4,6 +4,7 @@ dot_product_attention's query_segment_ids, so cuDNN's ragged layout on a GPU."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax_sdpa.attention import dot_product_attention, empty_row_lse
@@ -87,6 +88,10 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
         if cu_kv.shape != cu_q.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must count the same sequences, "
                              f"got shapes {cu_q.shape} and {cu_kv.shape}")
+    # Behind a barrier: cu_seqlens known at compile time (a constant the caller closed over)
+    # would otherwise have XLA evaluate the ids' running sums on the host while it compiles,
+    # seconds per call.
+    cu_q, cu_kv = jax.lax.optimization_barrier((cu_q, cu_kv))
     q_ids = _segment_ids(cu_q, total_q)
     kv_ids = None if cu_seqlens_kv is None else _segment_ids(cu_kv, total_kv)
     # Self-attention gives one array for both lengths: no row can then see no key, so the
