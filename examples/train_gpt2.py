@@ -215,7 +215,7 @@ def main(argv=None):
         seconds = time.perf_counter() - start
         if step > 2:  # the first steps compile
             timed.append((seconds, tokens))
-        history.append(dict(step=step, loss=loss))
+        history.append(dict(step=step, loss=loss, seconds=seconds))
         tokens_per_s = (sum(t for _, t in timed) / sum(s for s, _ in timed) if timed
                         else float("nan"))
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
