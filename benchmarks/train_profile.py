@@ -109,7 +109,8 @@ def main(argv=None):
     args, extra = parser.parse_known_args(argv)  # the rest goes to train_gpt2's parser
     if args.compare and not args.trace:
         parser.error("--compare needs --trace")
-    traced = {rows: profile(rows, args.steps, extra, args.trace, args.prefetch) for rows in args.rows}
+    traced = {rows: profile(rows, args.steps, extra, args.trace, args.prefetch)
+              for rows in args.rows}
     if args.compare:
         first, *others = args.rows
         for rows in others:
