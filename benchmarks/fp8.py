@@ -5,20 +5,25 @@ kernels alone cost) and flash-attn3-jax's bf16, forward and forward+backward.
     python -m benchmarks.fp8 [--only d128-s4k-causal ...] [--rounds 7]
 
 Method as benchmarks.attention (one process, a straight line of CALLS calls per jit, rounds
-interleaved, median round); ratios against jax_sdpa's bf16 call.
+interleaved, median round); ratios against jax_sdpa's bf16 call. With --span, each chain also
+runs once under jax.profiler, and the GPU's span per call (first kernel's start to last
+kernel's end) is printed beside the wall time: the wall time holds the chain's launch and
+wait, which weigh most where the calls are short.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions
+from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS
 from benchmarks.implementations import available
+from benchmarks.traces import gpu_span
 import jax_sdpa.fp8
 
 
@@ -58,7 +63,15 @@ def _framework_functions(causal, scale):
     return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
 
 
-def bench(config, rounds):
+def _span_ms(fn, inputs):
+    """GPU span per call of one traced run of the chain, ms."""
+    directory = tempfile.mkdtemp(prefix="jax_sdpa_fp8_span_")
+    with jax.profiler.trace(directory):
+        jax.block_until_ready(fn(inputs))
+    return gpu_span(directory)[0] / CALLS / 1e3
+
+
+def bench(config, rounds, span=False):
     inputs = make_inputs(config, seed=0)
     framework = _framework_inputs(inputs)
     impls = {name: fn for name, fn in available(config).items()
@@ -72,22 +85,29 @@ def bench(config, rounds):
         jax.block_until_ready(fn(inputs_of(key)))
     samples = interleaved_rounds(fns, inputs_of, rounds)
     times = {key: statistics.median(s) * 1e3 for key, s in samples.items()}
-    print(f"\n{config.name}: ms per call (x jax_sdpa bf16 = its time / this one's)")
+    spans = {key: _span_ms(fn, inputs_of(key)) for key, fn in fns.items()} if span else {}
+    print(f"\n{config.name}: ms per call (x jax_sdpa bf16 = its time / this one's)"
+          + ("; then GPU span per call, ms (x jax_sdpa bf16's)" if span else ""))
     for (name, mode), ms in times.items():
         base = times[("jax_sdpa", mode)]
         flops = config.forward_flops() * (1 if mode == "fwd" else 3.5)
-        print(f"| {name} | {mode} | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s | "
-              f"{base / ms:.2f}x |")
+        line = f"| {name} | {mode} | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s | {base / ms:.2f}x |"
+        if span:
+            gpu, gpu_base = spans[(name, mode)], spans[("jax_sdpa", mode)]
+            line += f" {gpu:.3f} | {gpu_base / gpu:.2f}x |"
+        print(line)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", default=[])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--span", action="store_true",
+                        help="also each chain's GPU span per call, from one traced run")
     args = parser.parse_args()
     for config in ANCHOR_CONFIGS:
         if config.head_dim == 128 and (not args.only or config.name in args.only):
-            bench(config, args.rounds)
+            bench(config, args.rounds, args.span)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,28 @@ def kernel_times(trace_dir):
     return totals, counts
 
 
+def gpu_span(trace_dir):
+    """(span, busy, gaps) in µs over every GPU event of the traces: span from the first event's
+    start to the last one's end, busy the union of the events (an event seen on two timelines
+    counts once), gaps the idle stretches inside the span, longest first. span - busy is time
+    the GPU waited for the host inside a chain of calls."""
+    intervals = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in _gpu_events(trace_dir))
+    if not intervals:
+        return 0.0, 0.0, []
+    busy, gaps = 0.0, []
+    start, end = intervals[0]
+    for s, e in intervals[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    span = max(e for _, e in intervals) - intervals[0][0]
+    return span, busy, sorted(gaps, reverse=True)
+
+
 def kernel_launches(trace_dir):
     """{kernel name: sorted launch shapes} ("grid:x,y,z block:x,y,z" from XProf's
     kernel_details) from the same traces: where one kernel's time changes, its grid says why."""

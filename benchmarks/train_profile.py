@@ -4,11 +4,12 @@
                                        [--compare] [--prefetch]
 
 Builds examples/train_gpt2.py's step (gpt2 preset unless told otherwise), runs a few warm-up
-steps, then times single steps (each waited for) and prints the median, the spread and the
-first steps' times (graph builds show up there). With --trace, also traces two warm steps per
-mode with jax.profiler and prints the GPU time per kernel name and the GPU-busy share of the
-wall time: a step far longer than its kernels waits on the host. With --compare (and --trace),
-also the kernels whose time per step differs most between the first mode and each other one.
+steps, then times single steps (each waited for) and prints the median, the spread, the first
+steps' times (graph builds show up there) and the host's dispatch time per step. With --trace,
+also traces two warm steps per mode with jax.profiler and prints the GPU time per kernel name,
+the GPU's span and idle gaps, and the GPU-busy share of the wall time: a step far longer than
+its kernels waits on the host. With --compare (and --trace), also the kernels whose time per
+step differs most between the first mode and each other one.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "examples"))
 import train_gpt2  # noqa: E402
 from gpt2_model import GPT  # noqa: E402
-from benchmarks.traces import kernel_table, kernel_times  # noqa: E402
+from benchmarks.traces import gpu_span, kernel_table, kernel_times  # noqa: E402
 
 
 def _step_and_batches(rows, extra):
@@ -51,7 +52,7 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
     ({kernel name: µs}, {kernel name: events}), else None. prefetch: each batch is on the
     device before its step's clock starts (the host-to-device copies left out)."""
     train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
-    seconds, tokens = [], 0
+    seconds, dispatch, tokens = [], [], 0
     for step in range(steps + 3):
         batch = next_batch()
         if prefetch:
@@ -59,6 +60,7 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
         x, y, batch_rows, count = batch
         start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
+        dispatch.append(time.perf_counter() - start)
         float(loss)
         seconds.append(time.perf_counter() - start)
         tokens += count if step >= 3 else 0
@@ -67,6 +69,10 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
           f"median {statistics.median(timed) * 1e3:.1f} ms, min {min(timed) * 1e3:.1f}, max "
           f"{max(timed) * 1e3:.1f} over {len(timed)} steps; {tokens / sum(timed):,.0f} "
           "loss-carrying tokens/s", flush=True)
+    # The host's share: until the step's call returns, the host is launching its work (and
+    # updating XLA's command buffers); a step whose dispatch nears its time waits on the host.
+    print(f"  host dispatch: median {statistics.median(dispatch[3:]) * 1e3:.1f} ms per step",
+          flush=True)
     print(f"  per step (ms): {' '.join(f'{s * 1e3:.0f}' for s in timed)}", flush=True)
     if trace_dir:
         directory = f"{trace_dir}/{rows}"
@@ -78,6 +84,9 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
                 float(loss)
         wall = time.perf_counter() - start
         totals, counts = kernel_times(directory)
+        span, union, gaps = gpu_span(directory)
+        print(f"  GPU over the traced steps: span {span / 1e3:.1f} ms, busy {union / 1e3:.1f} ms; "
+              f"longest idle gaps (µs): {' '.join(f'{g:.0f}' for g in gaps[:6])}", flush=True)
         busy = sum(totals.values()) / 1e6
         print(f"  traced {_TRACED_STEPS} steps: wall {wall * 1e3:.0f} ms (tracing included), "
               f"GPU kernels {busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
