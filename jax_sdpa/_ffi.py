@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _extension, command_buffers
+from jax_sdpa import _extension
 from jax_sdpa.varying import varying_like
 
 
@@ -84,20 +84,17 @@ def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
 
 
 def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method,
-                         keys, planned_as=None):
+                         planned_as=None):
     """ffi_call of our target with the call's cuDNN workspace as one more result, a uint8 buffer
     XLA allocates: XLA reuses that memory like any temporary, and orders it like any buffer
     inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
     from the call's graph, built here (on this process's first GPU) and cached for the call;
     without a GPU, or a graph that needs none, the handler takes scratch memory per call
-    instead. keys: each query row's keys (for the call's work). planned_as: None; or the
-    (operands, attributes) of a larger call whose graph sizes the workspace instead (one graph
-    built while tracing for many calls; the handler takes scratch memory if it falls short); or
-    False: no graph built while tracing, scratch memory (for calls that seldom run). Returns
-    the call's other results."""
-    query, value = operands[0], operands[2]
-    flops = command_buffers.call_flops(query, keys, value.shape[-1])
-    buffered = command_buffers.records_into_command_buffers(config, flops)
+    instead. planned_as: None; or the (operands, attributes) of a larger call whose graph sizes
+    the workspace instead (one graph built while tracing for many calls; the handler takes
+    scratch memory if it falls short); or False: no graph built while tracing, scratch memory
+    (for calls that seldom run). Returns the call's other results."""
+    buffered = config.command_buffer
     attributes = dict(attributes, command_buffer=buffered, workspace_result=False)
     device = _gpu_ordinal()
     workspace = 0
@@ -149,8 +146,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
-                                "broadcast_all", key.shape[-3],
-                                workspace_for and described(*workspace_for))
+                                "broadcast_all", workspace_for and described(*workspace_for))
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
@@ -175,8 +171,7 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
                                   poison_rows=poison_rows, fp8_scales=fp8_scales)
     operands, attributes = described(ragged_operands, max_document_length)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
-                                   "broadcast_all", key.shape[-3],
-                                   workspace_for and described(*workspace_for))
+                                   "broadcast_all", workspace_for and described(*workspace_for))
     amaxes = (results[-1],) if fp8_scales is not None else ()
     return (*results[:3], results[3] if with_dbias else None, *amaxes)
 
@@ -196,5 +191,4 @@ def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, pag
     operands = (query, key_cache, value_cache, q_lengths, kv_lengths, page_table)
     # The handler takes one problem: under vmap, one call per element.
     return _call_with_workspace("forward", config, result_types, operands,
-                                config.ffi_attributes(), "sequential",
-                                page_table.shape[-1] * key_cache.shape[1])
+                                config.ffi_attributes(), "sequential")

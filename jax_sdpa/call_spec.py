@@ -87,9 +87,9 @@ class CallSpec:
     # is measured from each row's own lengths (query i at key kv_lengths - q_lengths + i), as
     # cuDNN's padding mask measures it.
     paged: bool = False
-    # Our FFI targets XLA may record into CUDA graphs: True, False, or None to decide per call
-    # by its work (jax_sdpa/command_buffers.py, JAX_SDPA_COMMAND_BUFFERS).
-    command_buffer: bool | None = None
+    # Our FFI targets XLA may record into CUDA graphs (jax_sdpa/command_buffers.py,
+    # JAX_SDPA_COMMAND_BUFFERS).
+    command_buffer: bool = False
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

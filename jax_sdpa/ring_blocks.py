@@ -36,7 +36,6 @@ def split_chunks(x, parts, axis=1):
 
 
 def _config(implementation, scores, kind, has_lengths):
-    # A ring's blocks follow every call's rule (command_buffers.records_into_command_buffers).
     return CallSpec(scale=scores.scale, window_right=0 if kind == DIAGONAL else -1,
                         has_lengths=has_lengths, implementation=implementation,
                         command_buffer=command_buffers.command_buffers(),
