@@ -1,7 +1,7 @@
 """Where a GPT-2 training step's time goes, per way of cutting rows (windows, packed, padded).
 
     python -m benchmarks.train_profile [--rows windows packed padded] [--steps 10] [--trace DIR]
-                                       [--compare] [--prefetch]
+                                       [--compare] [--prefetch] [--pipelined]
 
 Builds examples/train_gpt2.py's step (gpt2 preset unless told otherwise), runs a few warm-up
 steps, then times single steps (each waited for) and prints the median, the spread, the first
@@ -95,6 +95,30 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
     return None
 
 
+def pipelined(rows, steps, extra):
+    """The example's loop (each batch copied while the step before it runs), but each step's
+    loss read only after the next step is dispatched, so that the GPU never waits for the
+    host's dispatch: prints the median time between consecutive losses and the tokens/s."""
+    train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
+    batch = train_gpt2.on_device(next_batch())
+    pending, ready, tokens = None, [], 0
+    for step in range(steps + 4):
+        x, y, batch_rows, count = batch
+        params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
+        batch = train_gpt2.on_device(next_batch())
+        if pending is not None:
+            float(pending)
+            ready.append(time.perf_counter())
+        pending = loss
+        tokens += count if step >= 3 else 0  # the steps whose intervals are timed
+    float(pending)
+    ready.append(time.perf_counter())
+    intervals = [b - a for a, b in zip(ready[2:], ready[3:])]
+    print(f"{rows}, pipelined: median {statistics.median(intervals) * 1e3:.1f} ms between "
+          f"losses over {len(intervals)} steps; {tokens / sum(intervals):,.0f} loss-carrying "
+          "tokens/s", flush=True)
+
+
 def compare(first, other, name, limit=20):
     """The kernels whose GPU time per traced step differs most between two modes' traces."""
     (totals, counts), (base, base_counts) = other, first
@@ -115,11 +139,16 @@ def main(argv=None):
                         help="with --trace: per-kernel differences against the first mode")
     parser.add_argument("--prefetch", action="store_true",
                         help="put each batch on the device before its step's clock starts")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="also the example's loop with each loss read a step late")
     args, extra = parser.parse_known_args(argv)  # the rest goes to train_gpt2's parser
     if args.compare and not args.trace:
         parser.error("--compare needs --trace")
     traced = {rows: profile(rows, args.steps, extra, args.trace, args.prefetch)
               for rows in args.rows}
+    if args.pipelined:
+        for rows in args.rows:
+            pipelined(rows, args.steps, extra)
     if args.compare:
         first, *others = args.rows
         for rows in others:
