@@ -50,7 +50,7 @@ def in_command_buffer_mode(attention, value):
 def available(config, command_buffers=False):
     """{name: function} of the implementations that can run `config` here."""
     found = {"jax_sdpa": _jax_sdpa, "jax.nn cudnn": _jax_nn("cudnn")}
-    if command_buffers:  # both forced modes next to the default's choice
+    if command_buffers:  # both forced modes (the default is plain)
         found["jax_sdpa cmdbuf"] = in_command_buffer_mode(_jax_sdpa, "1")
         found["jax_sdpa plain"] = in_command_buffer_mode(_jax_sdpa, "0")
     try:

@@ -140,8 +140,7 @@ def target(role):
 
 def twins(role):
     """(plain, command-buffer) names of our target of this role (forward, backward): which one
-    a call lowers to depends on its size and on JAX_SDPA_COMMAND_BUFFERS
-    (jax_sdpa/command_buffers.py)."""
+    a call lowers to depends on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/command_buffers.py)."""
     return target(role), target(role + "_command_buffer")
 
 
