@@ -3,10 +3,10 @@ JAX_SDPA_COMMAND_BUFFERS=1 all of them, unset or 0 none.
 
 Not recording is the default because a recorded call costs host time on every run whose
 buffers moved (a training step's always do): XLA updates the command buffer by capturing the
-call again. In GPT-2 small's training step (24 calls of ~0.1 ms each) that update cost ~5 ms of
-host time per step, and the step waited for it (docs/PERFORMANCE.md, Training); a plain call
-costs one cuDNN launch. Recording can only save that launch (microseconds), in a chain whose
-buffers stay where they were.
+call again. Recording the 24 calls of GPT-2 small's training step (~0.1 ms each) made the step
+~5 ms (~20%) slower, the GPU waiting for the host's updates (docs/PERFORMANCE.md, Training); a
+plain call costs one cuDNN launch. Recording can only save that launch (microseconds), in a
+chain whose buffers stay where they were.
 """
 
 from __future__ import annotations
