@@ -11,7 +11,7 @@ import jax_sdpa
 @contextlib.contextmanager
 def _command_buffers(value):
     """Traces inside use jax_sdpa's command-buffer targets for every call ("1") or none ("0");
-    outside, each call by its work (the default)."""
+    outside, the variable as it was."""
     previous = os.environ.get("JAX_SDPA_COMMAND_BUFFERS")
     os.environ["JAX_SDPA_COMMAND_BUFFERS"] = value
     try:
