@@ -24,7 +24,7 @@ import jax
 from benchmarks.attention import CALLS, make_inputs, timed_functions
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
-from benchmarks.traces import gpu_span, kernel_table, kernel_times
+from benchmarks.traces import kernel_table, kernel_times, span_line
 
 TIMELINES_PER_KERNEL = 2  # seen on the H200: each kernel appears on two GPU lines
 
@@ -46,9 +46,7 @@ def profile(config, name, attention, directory, mode="fwd+bwd"):
     print(f"{config.name} | {name}: {wall * 1e3:.3f} ms per {mode} call, GPU busy "
           f"{busy / 1e3:.3f} ms of it in {sum(counts.values()) // per_call} kernels/copies",
           flush=True)
-    span, union, gaps = gpu_span(trace_dir)
-    print(f"    GPU span {span / CALLS / 1e3:.3f} ms per call, busy {union / CALLS / 1e3:.3f}; "
-          f"{len(gaps)} gaps, longest (µs): {' '.join(f'{g:.0f}' for g in gaps[:8])}")
+    print(f"    {span_line(trace_dir, per=CALLS)}")
     print("\n".join(kernel_table(totals, counts, per=per_call)))
 
 

@@ -46,9 +46,16 @@ def gpu_span(trace_dir):
             start, end = s, e
         else:
             end = max(end, e)
-    busy += end - start
-    span = max(e for _, e in intervals) - intervals[0][0]
-    return span, busy, sorted(gaps, reverse=True)
+    busy += end - start  # end is now the last event's end: the starts are sorted
+    return end - intervals[0][0], busy, sorted(gaps, reverse=True)
+
+
+def span_line(trace_dir, per=1, what="per call", gaps_shown=8):
+    """gpu_span as one line: span and busy in ms divided by `per` (calls, steps), then the
+    longest idle gaps in µs."""
+    span, busy, gaps = gpu_span(trace_dir)
+    return (f"GPU span {span / per / 1e3:.3f} ms {what}, busy {busy / per / 1e3:.3f}; "
+            f"{len(gaps)} gaps, longest (µs): {' '.join(f'{g:.0f}' for g in gaps[:gaps_shown])}")
 
 
 def kernel_launches(trace_dir):

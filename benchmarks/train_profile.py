@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "examples"))
 import train_gpt2  # noqa: E402
 from gpt2_model import GPT  # noqa: E402
-from benchmarks.traces import gpu_span, kernel_table, kernel_times  # noqa: E402
+from benchmarks.traces import kernel_table, kernel_times, span_line  # noqa: E402
 
 
 def _step_and_batches(rows, extra):
@@ -84,9 +84,7 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
                 float(loss)
         wall = time.perf_counter() - start
         totals, counts = kernel_times(directory)
-        span, union, gaps = gpu_span(directory)
-        print(f"  GPU over the traced steps: span {span / 1e3:.1f} ms, busy {union / 1e3:.1f} ms; "
-              f"longest idle gaps (µs): {' '.join(f'{g:.0f}' for g in gaps[:6])}", flush=True)
+        print(f"  {span_line(directory, per=_TRACED_STEPS, what='per traced step')}", flush=True)
         busy = sum(totals.values()) / 1e6
         print(f"  traced {_TRACED_STEPS} steps: wall {wall * 1e3:.0f} ms (tracing included), "
               f"GPU kernels {busy * 1e3:.0f} ms in {sum(counts.values())} events", flush=True)
