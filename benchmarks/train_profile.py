@@ -15,6 +15,7 @@ step differs most between the first mode and each other one.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -94,27 +95,46 @@ def profile(rows, steps, extra, trace_dir=None, prefetch=False):
 
 
 def pipelined(rows, steps, extra):
-    """The example's loop (each batch copied while the step before it runs), but each step's
-    loss read only after the next step is dispatched, so that the GPU never waits for the
-    host's dispatch: prints the median time between consecutive losses and the tokens/s."""
+    """The example's loop (each batch copied while the step before it runs, each loss read
+    after the next step is dispatched; train_gpt2.StepLog times it): prints the median time
+    per step, the steps' times and the example's tokens/s."""
     train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
-    batch = train_gpt2.on_device(next_batch())
-    pending, ready, tokens = None, [], 0
-    for step in range(steps + 4):
+    step_log, batch, pending = train_gpt2.StepLog(), train_gpt2.on_device(next_batch()), None
+    collections = _FullCollections()
+    for step in range(1, steps + 3):
         x, y, batch_rows, count = batch
         params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
         batch = train_gpt2.on_device(next_batch())
+        if step == 2:  # as the example does
+            gc.freeze()
+            gc.callbacks.append(collections)
         if pending is not None:
-            float(pending)
-            ready.append(time.perf_counter())
-        pending = loss
-        tokens += count if step >= 3 else 0  # the steps whose intervals are timed
-    float(pending)
-    ready.append(time.perf_counter())
-    intervals = [b - a for a, b in zip(ready[2:], ready[3:])]
-    print(f"{rows}, pipelined: median {statistics.median(intervals) * 1e3:.1f} ms between "
-          f"losses over {len(intervals)} steps; {tokens / sum(intervals):,.0f} loss-carrying "
-          "tokens/s", flush=True)
+            step_log.read(*pending)
+        pending = (step, loss, count)
+    step_log.read(*pending)
+    gc.callbacks.remove(collections)
+    gc.unfreeze()
+    timed = [entry["seconds"] for entry in step_log.history[2:]]  # as StepLog counts them
+    print(f"{rows}, pipelined: median {statistics.median(timed) * 1e3:.1f} ms per step over "
+          f"{len(timed)} steps; {step_log.tokens_per_s:,.0f} loss-carrying tokens/s", flush=True)
+    print(f"  per step (ms): {' '.join(f'{s * 1e3:.0f}' for s in timed)}", flush=True)
+    print(f"  the collector's full passes meanwhile: {len(collections.seconds)}, "
+          f"{sum(collections.seconds) * 1e3:.1f} ms in all", flush=True)
+
+
+class _FullCollections:
+    """A gc callback: the seconds of each full (generation 2) collection."""
+
+    def __init__(self):
+        self.seconds, self._start = [], None
+
+    def __call__(self, phase, info):
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds.append(time.perf_counter() - self._start)
 
 
 def compare(first, other, name, limit=20):

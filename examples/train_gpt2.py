@@ -20,6 +20,7 @@ Writes <out-dir>/log.json (config, losses, tokens/s), <out-dir>/loss.png and
 """
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -164,6 +165,33 @@ def on_device(batch):
     return (*jax.device_put(arrays), tokens)
 
 
+class StepLog:
+    """Each step's loss and time, read one step late: a step's time is the time between its
+    loss and the one before it, which is the step's cost when the host dispatches ahead."""
+
+    def __init__(self):
+        self.history, self._timed = [], []  # timed: (seconds, tokens with a loss) per step
+        self.restart_clock()
+
+    def restart_clock(self):
+        self._clock = time.perf_counter()
+
+    def read(self, step, loss, tokens):
+        """Waits for the step's loss and records it."""
+        loss = float(loss)
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
+        if step > 2:  # the first steps compile
+            self._timed.append((seconds, tokens))
+        self.history.append(dict(step=step, loss=loss, seconds=seconds))
+
+    @property
+    def tokens_per_s(self):
+        if not self._timed:
+            return None
+        return sum(t for _, t in self._timed) / sum(s for s, _ in self._timed)
+
+
 def save_plot(path, history, validation, title):
     import matplotlib  # noqa: PLC0415 - only needed at the end
     matplotlib.use("Agg")
@@ -203,28 +231,33 @@ def main(argv=None):
           f"attention={label}, rows={args.rows}, {train_bytes / 1e6:.1f} MB of "
           "training bytes")
 
-    history, validation, timed = [], [], []  # timed: (seconds, tokens with a loss) per step
+    step_log, validation = StepLog(), []
     bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True)
     batch = on_device(next_batch())
+    pending = None  # the step dispatched last: its loss is read after the next one is dispatched
     for step in bar:
         x, y, rows, tokens = batch
-        start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, x, y, rows)
         batch = on_device(next_batch())  # cut and copied while the step runs, as a loader would
-        loss = float(loss)  # waits for the step: the timing below is the step's own
-        seconds = time.perf_counter() - start
-        if step > 2:  # the first steps compile
-            timed.append((seconds, tokens))
-        history.append(dict(step=step, loss=loss, seconds=seconds))
-        tokens_per_s = (sum(t for _, t in timed) / sum(s for s, _ in timed) if timed
-                        else float("nan"))
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if step == 2:  # compiled: the objects alive now live for the whole run, and the
+            gc.freeze()  # collector's full passes over them would stall a step by ~0.1 s
+        if pending is not None:
+            step_log.read(*pending)  # the GPU already holds this step's work: no gap between steps
+        pending = (step, loss, tokens)
         if step % args.eval_every == 0 or step == args.steps:
+            step_log.read(*pending)
+            pending = None
             val_loss = float(np.mean([eval_loss(params, vx, vy, vrows)
                                       for vx, vy, vrows in val_batches]))
             validation.append(dict(step=step, loss=val_loss))
-            bar.write(f"step {step}: train {loss:.3f}, validation {val_loss:.3f}")
-    tokens_per_s = (sum(t for _, t in timed) / sum(s for s, _ in timed)) if timed else None
+            bar.write(f"step {step}: train {step_log.history[-1]['loss']:.3f}, "
+                      f"validation {val_loss:.3f}")
+            step_log.restart_clock()  # the evaluation's time is no step's
+        if step_log.history:
+            bar.set_postfix(loss=f"{step_log.history[-1]['loss']:.3f}",
+                            tok_s=f"{step_log.tokens_per_s or float('nan'):,.0f}")
+    tokens_per_s = step_log.tokens_per_s
+    history = step_log.history
     log = dict(args=vars(args), parameters=int(n_params), device=device.device_kind,
                jax=jax.__version__, tokens_per_s=tokens_per_s, train=history,
                validation=validation)
