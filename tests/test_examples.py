@@ -150,3 +150,24 @@ def test_fp8_attention_flag_reaches_the_model():
         logits[fp8] = np.asarray(jax.jit(lambda x, m=GPT(config, nnx.Rngs(0)): m(x))(tokens))
     error = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
     assert 1e-4 < error < 0.1, error
+
+
+def test_step_log_times_each_step_from_the_loss_before(monkeypatch):
+    """train_gpt2.StepLog: a step's time runs from the previous loss read (or the clock's
+    restart) to its own; tokens/s leaves out the first two steps (they compile)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import time  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import train_gpt2  # noqa: PLC0415
+    clock = iter([0.0, 5.0, 6.0, 6.5, 7.0, 7.25])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    log = train_gpt2.StepLog()
+    assert log.tokens_per_s is None
+    for step, tokens in ((1, 10), (2, 20), (3, 30)):
+        log.read(step, np.float32(3.5 - step), tokens)
+    log.restart_clock()  # an evaluation's time is no step's
+    log.read(4, np.float32(0.25), 40)
+    assert [entry["seconds"] for entry in log.history] == [5.0, 1.0, 0.5, 0.25]
+    assert [entry["loss"] for entry in log.history] == [2.5, 1.5, 0.5, 0.25]
+    assert all(type(entry["loss"]) is float for entry in log.history)
+    assert log.tokens_per_s == (30 + 40) / 0.75
