@@ -2,13 +2,15 @@
 quantized inside), jax_sdpa.fp8 on inputs already in FP8 (a framework's own scaling: what the
 kernels alone cost) and flash-attn3-jax's bf16, forward and forward+backward.
 
-    python -m benchmarks.fp8 [--only d128-s4k-causal ...] [--rounds 7]
+    python -m benchmarks.fp8 [--only d128-s4k-causal ...] [--rounds 7] [--span] [--per-call]
 
 Method as benchmarks.attention (one process, a straight line of CALLS calls per jit, rounds
 interleaved, median round); ratios against jax_sdpa's bf16 call. With --span, each chain also
 runs once under jax.profiler, and the GPU's span per call (first kernel's start to last
 kernel's end) is printed beside the wall time: the wall time holds the chain's launch and
-wait, which weigh most where the calls are short.
+wait, which weigh most where the calls are short. With --per-call, each chain also runs at
+twice its length (on other inputs) in the same rounds: the extra calls' time is the calls'
+alone, printed as ms per call beside the chain's fixed cost (its launch and wait).
 """
 
 from __future__ import annotations
@@ -71,30 +73,50 @@ def _span_ms(fn, inputs):
     return gpu_span(directory)[0] / CALLS / 1e3
 
 
-def bench(config, rounds, span=False):
-    inputs = make_inputs(config, seed=0)
-    framework = _framework_inputs(inputs)
+def per_call(short, long):
+    """(ms per call, the chain's fixed ms) from the times per CALLS calls (as time_once gives
+    them) of a chain of CALLS calls and one of 2 * CALLS: the long chain's extra calls cost
+    only what calls cost."""
+    short, long = short * CALLS, long * CALLS
+    return (long - short) / CALLS, 2 * short - long
+
+
+def bench(config, rounds, span=False, doubled=False):
+    inputs = [make_inputs(config, seed=0)]
+    if doubled:
+        inputs.append(inputs[0] + make_inputs(config, seed=1))
+    framework = [_framework_inputs(i) for i in inputs]
     impls = {name: fn for name, fn in available(config).items()
              if name in ("jax_sdpa", "jax_sdpa fp8", "flash-attn3-jax")}
     fns = {(name, mode): fn for name, attention in impls.items()
            for mode, fn in timed_functions(attention, config.causal).items()}
     fns.update({("jax_sdpa.fp8 (FP8 inputs)", mode): fn for mode, fn in
                 _framework_functions(config.causal, config.head_dim ** -0.5).items()})
-    inputs_of = lambda key: framework if key[0].startswith("jax_sdpa.fp8") else inputs  # noqa
-    for key, fn in fns.items():  # compile and build outside the rounds
+    # A key (name, mode, chain): chain 0 the CALLS-call chain, 1 the doubled one.
+    runs = {(*key, chain): fn for key, fn in fns.items() for chain in range(len(inputs))}
+    inputs_of = lambda key: (framework if key[0].startswith("jax_sdpa.fp8")  # noqa: E731
+                             else inputs)[key[2]]
+    for key, fn in runs.items():  # compile and build outside the rounds
         jax.block_until_ready(fn(inputs_of(key)))
-    samples = interleaved_rounds(fns, inputs_of, rounds)
+    samples = interleaved_rounds(runs, inputs_of, rounds)
     times = {key: statistics.median(s) * 1e3 for key, s in samples.items()}
-    spans = {key: _span_ms(fn, inputs_of(key)) for key, fn in fns.items()} if span else {}
+    spans = ({key: _span_ms(fn, inputs_of((*key, 0))) for key, fn in fns.items()} if span
+             else {})
+    calls = {key: per_call(times[(*key, 0)], times[(*key, 1)]) for key in fns} if doubled else {}
     print(f"\n{config.name}: ms per call (x jax_sdpa bf16 = its time / this one's)"
-          + ("; then GPU span per call, ms (x jax_sdpa bf16's)" if span else ""))
-    for (name, mode), ms in times.items():
-        base = times[("jax_sdpa", mode)]
+          + ("; then GPU span per call, ms (x jax_sdpa bf16's)" if span else "")
+          + ("; then ms per call without the chain's fixed cost (x), and that cost, ms"
+             if doubled else ""))
+    for name, mode in fns:
+        ms, base = times[(name, mode, 0)], times[("jax_sdpa", mode, 0)]
         flops = config.forward_flops() * (1 if mode == "fwd" else 3.5)
         line = f"| {name} | {mode} | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s | {base / ms:.2f}x |"
         if span:
             gpu, gpu_base = spans[(name, mode)], spans[("jax_sdpa", mode)]
             line += f" {gpu:.3f} | {gpu_base / gpu:.2f}x |"
+        if doubled:
+            (call, fixed), base_call = calls[(name, mode)], calls[("jax_sdpa", mode)][0]
+            line += f" {call:.3f} | {base_call / call:.2f}x | {fixed:.3f} |"
         print(line)
 
 
@@ -104,10 +126,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--span", action="store_true",
                         help="also each chain's GPU span per call, from one traced run")
+    parser.add_argument("--per-call", action="store_true",
+                        help="also time each chain at twice its length: ms per call without "
+                             "the chain's fixed cost")
     args = parser.parse_args()
     for config in ANCHOR_CONFIGS:
         if config.head_dim == 128 and (not args.only or config.name in args.only):
-            bench(config, args.rounds, args.span)
+            bench(config, args.rounds, args.span, args.per_call)
 
 
 if __name__ == "__main__":

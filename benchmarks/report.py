@@ -41,8 +41,8 @@ def _directory(path):
 
 
 def markdown(rows):
-    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 | first call s "
-             "| rel. error vs jax.nn |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | impl | mode | ms | TFLOP/s | × jax.nn cudnn | × flash-attn3 "
+             "| first call s | rel. error vs jax.nn |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fa3 = f"{r['vs_flash_attn3']:.3f}" if r["vs_flash_attn3"] is not None else "–"
         lines.append(f"| {r['config']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | "

@@ -2,11 +2,15 @@
 table reports (benchmarks/plans.py), config parsing and NVIDIA's reference row
 (benchmarks/configs.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import plans
 from benchmarks.configs import ANCHOR_CONFIGS, PUBLISHED, parse_config, published_rows
+
+
+IMPLS = ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
 
 
 def plan(index, ms, error=""):
@@ -24,7 +28,7 @@ def test_plan_table_ratios():
         config="c", plans={"forward": [plan(0, 0.2), plan(1, 0.4)],
                            "backward": [plan(0, -1, "failed"), plan(1, 0.6)]},
         alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
-        calls_ms={f"{impl}|{mode}": ms for impl in ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
+        calls_ms={f"{impl}|{mode}": ms for impl in IMPLS
                   for mode, ms in (("fwd", 0.21), ("fwd+bwd", 1.0))})
     table = plans.markdown([result])
     assert "| c | fwd | 0.200 | 0.210 (1.050) |" in table
@@ -40,11 +44,11 @@ def test_other_forward_implementations_compare_with_the_frontends_choice():
                            "forward unified": [plan(0, 0.18)],
                            "forward composite": [plan(0, 0.0, "unified refuses masks")]},
         alone_ms={"fwd": 0.2, "fwd+bwd": 0.8}, best_ms={"fwd": 0.2, "fwd+bwd": 0.8},
-        calls_ms={f"{impl}|{mode}": 1.0 for impl in ("jax_sdpa", "jax_sdpa plain", "jax_sdpa cmdbuf", "jax.nn cudnn")
-                  for mode in ("fwd", "fwd+bwd")})
+        calls_ms={f"{impl}|{mode}": 1.0 for impl in IMPLS for mode in ("fwd", "fwd+bwd")})
     table = plans.markdown([result])
     assert "| c | forward unified | 0 | eng0 | 0.180 | 0.900 |" in table
-    assert "| c | forward composite | 0 | eng0 | – | – | 1.0 | 9.0 | unified refuses masks |" in table
+    assert ("| c | forward composite | 0 | eng0 | – | – | 1.0 | 9.0 | unified refuses masks |"
+            in table)
 
 
 def test_a_refused_implementation_is_a_row_with_cudnns_message(monkeypatch):
@@ -212,3 +216,26 @@ def test_cudnn_parts_fit_one_device_call_each():
     assert sorted(f for b in bins for f in b["files"]) == sorted(sizes)
     assert all(b["bytes"] <= module.PART_BYTES for b in bins)
     assert len(bins) == 3  # 186 MiB in 63 MiB parts: no fewer can hold it
+
+
+def test_fp8_per_call_column_separates_the_chains_fixed_cost(monkeypatch, capsys):
+    """benchmarks.fp8 --per-call: from a chain of CALLS calls and one of twice as many, the
+    time per call and the chain's fixed cost; every row gets both (jax.nn standing in for the
+    GPU implementations on CPU)."""
+    from benchmarks import fp8
+    from benchmarks.attention import CALLS
+    from benchmarks.configs import Config
+
+    # Times per CALLS calls (as time_once gives them) of 3 ms for the short chain and 5 for the
+    # doubled one: the extra CALLS calls took 2 * CALLS ms (2 ms per call), and the short
+    # chain's 3 * CALLS ms hold CALLS * 2 ms of calls and the rest is its fixed cost.
+    assert fp8.per_call(3.0, 5.0) == (2.0, 1.0 * CALLS)
+
+    def attention(q, k, v, causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    monkeypatch.setattr(fp8, "available",
+                        lambda config: {"jax_sdpa": attention, "jax_sdpa fp8": attention})
+    fp8.bench(Config("tiny", 1, 16, 2, 2, 128, jnp.bfloat16, True), rounds=1, doubled=True)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(rows) == 6  # three implementations, fwd and fwd+bwd
+    assert all(line.count("|") == 9 for line in rows)

@@ -122,7 +122,8 @@ def test_sharded_training_on_eight_host_devices(mode, tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples/sharded_training.py"), "--mode", mode,
          "--steps", "12", "--seq-len", "128"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=600, env=dict(os.environ, XLA_FLAGS=env_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+        timeout=600,
+        env=dict(os.environ, XLA_FLAGS=env_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
     assert result.returncode == 0, result.stderr[-3000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("done:")][0]
     first, last = (float(x) for x in line.split("loss ")[1].split(",")[0].split(" -> "))
