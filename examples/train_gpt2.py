@@ -13,7 +13,8 @@ windows too, but each file is a document of its own (segment ids: tokens attend 
 file, positions restart at its first token, no loss across a file boundary), at most
 --documents-per-row files per row, which the model states to jax_sdpa (the fast way to run packed
 rows: docs/packed.md); "padded" rows hold one file each from its start, padded. tokens/s counts
-the tokens that carry a loss.
+the tokens that carry a loss, over the time between consecutive losses (each read after the
+next step is dispatched, so that the host stays ahead of the GPU).
 
 Writes <out-dir>/log.json (config, losses, tokens/s), <out-dir>/loss.png and
 <out-dir>/params.npz (the trained parameters: examples/generate.py samples from them).
