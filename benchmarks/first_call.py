@@ -1,13 +1,16 @@
 """The first call, measured fairly: every implementation in a fresh process of its own.
 
-    python -m benchmarks.first_call [--only CONFIG ...] [--impl NAME ...] [--out DIR]
+    python -m benchmarks.first_call [--only CONFIG ...] [--impl NAME ...] [--graph-cache]
+                                    [--out DIR]
 
 benchmarks/attention.py times first calls inside one process, where whichever implementation
 runs first warms cuDNN (handles, loaded kernels) for the others. Here each (config,
 implementation, mode) starts a new Python process that imports JAX, makes the inputs, then
 measures: trace + lower, XLA compile, the first execution (cuDNN graphs are built there for the
 custom-call paths), and a second execution for scale. Process start and imports are reported
-apart (they are the same for everyone). Writes first_call.md and first_call.json.
+apart (they are the same for everyone). With --graph-cache, each row runs twice, in a
+process that fills a new JAX_SDPA_GRAPH_CACHE_DIR and in one that reads it. Writes
+first_call.md and first_call.json.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+
+from benchmarks.report import output_directory
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -52,13 +58,14 @@ def child(config_name, implementation, mode):
                           first_call_s=first - start)), flush=True)
 
 
-def in_fresh_process(module, child_args, timeout):
-    """`python -m module --child *child_args`: the JSON line it printed last, or
-    {"error": why} (its exception's line)."""
+def in_fresh_process(module, child_args, timeout, env=None):
+    """`python -m module --child *child_args` (with env's variables added): the JSON line it
+    printed last, or {"error": why} (its exception's line)."""
     command = [sys.executable, "-m", module, "--child", *child_args]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return dict(error=f"over {timeout} s")
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
@@ -69,9 +76,20 @@ def in_fresh_process(module, child_args, timeout):
     return json.loads(lines[-1])
 
 
-def measure(config_name, implementation, mode, timeout):
-    return in_fresh_process("benchmarks.first_call", (config_name, implementation, mode),
-                            timeout)
+def runs(module, child_args, timeout, graph_cache=False):
+    """[(stage, measured)]: ("", one fresh process), or with graph_cache ("graph files
+    filling", a process that fills a new JAX_SDPA_GRAPH_CACHE_DIR) then ("graph files warm",
+    a second process that reads it)."""
+    if not graph_cache:
+        return [("", in_fresh_process(module, child_args, timeout))]
+    with tempfile.TemporaryDirectory(prefix="jax_sdpa_graphs_") as directory:
+        env = {"JAX_SDPA_GRAPH_CACHE_DIR": directory}
+        return [(f"graph files {stage}", in_fresh_process(module, child_args, timeout, env))
+                for stage in ("filling", "warm")]
+
+
+def stage_name(implementation, stage):
+    return f"{implementation}, {stage}" if stage else implementation
 
 
 def markdown(rows):
@@ -94,8 +112,11 @@ def fresh_process_parser(description, child_args, implementations=None):
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", action="append", default=[])
     parser.add_argument("--impl", action="append", default=[], choices=implementations)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", type=output_directory, default=os.environ.get("OUT", "."))
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--graph-cache", action="store_true",
+                        help="each row twice: filling a new JAX_SDPA_GRAPH_CACHE_DIR, then "
+                             "reading it in another fresh process")
     parser.add_argument("--child", nargs=child_args, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -125,9 +146,12 @@ def main(argv=None):
             if args.impl and implementation not in args.impl:
                 continue
             for mode in MODES:
-                record(args.out, "first_call", header, rows,
-                       dict(config=config.name, impl=implementation, mode=mode,
-                            **measure(config.name, implementation, mode, args.timeout)))
+                for stage, measured in runs("benchmarks.first_call",
+                                            (config.name, implementation, mode), args.timeout,
+                                            args.graph_cache):
+                    record(args.out, "first_call", header, rows,
+                           dict(config=config.name, impl=stage_name(implementation, stage),
+                                mode=mode, **measured))
     write_markdown(args.out, "first_call.md", header, markdown(rows))
 
 

@@ -2,13 +2,15 @@
 graphs are built there), XLA compile, first and second run.
 
     python -m benchmarks.packed_first_call [--only 8x1024 ...] [--impl NAME ...] [--calls 1]
-                                           [--ids argument|constant] [--out DIR]
+                                           [--ids argument|constant] [--graph-cache] [--out DIR]
 
 benchmarks/packed.py reports the compile of its 8-call chains inside one process, where the
 first implementation warms cuDNN for the others; here each (config, implementation) starts a
 new process. --ids: the segment ids (or cu_seqlens) are an argument of the jitted step, as in
 a training loop, or a constant it closes over (XLA may then evaluate what depends on them
-while it compiles). Writes packed_first_call.md and packed_first_call.json.
+while it compiles). --graph-cache: each row twice, filling a new JAX_SDPA_GRAPH_CACHE_DIR,
+then reading it (benchmarks/first_call.py). Writes packed_first_call.md and
+packed_first_call.json.
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ def child(config_name, name, calls, ids_mode):
 
 
 def main(argv=None):
-    from benchmarks.first_call import (fresh_process_parser, in_fresh_process,  # noqa: PLC0415
-                                       markdown, record)
+    from benchmarks.first_call import (fresh_process_parser, markdown, record,  # noqa: PLC0415
+                                       runs, stage_name)
     parser = fresh_process_parser(__doc__.splitlines()[0], 4, IMPLEMENTATIONS)
     parser.add_argument("--calls", type=int, default=1, help="fwd+bwd calls in the step")
     parser.add_argument("--ids", choices=("argument", "constant"), default="argument")
@@ -111,10 +113,12 @@ def main(argv=None):
     chosen = [c.name for c in configs() if not args.only or c.name in args.only]
     rows = []
     for config, name in itertools.product(chosen, args.impl or IMPLEMENTATIONS):
-        measured = in_fresh_process("benchmarks.packed_first_call",
-                                    (config, name, str(args.calls), args.ids), args.timeout)
-        record(args.out, "packed_first_call", header, rows,
-               dict(config=config, impl=name, mode=f"fwd+bwd x {args.calls}", **measured))
+        for stage, measured in runs("benchmarks.packed_first_call",
+                                    (config, name, str(args.calls), args.ids), args.timeout,
+                                    args.graph_cache):
+            record(args.out, "packed_first_call", header, rows,
+                   dict(config=config, impl=stage_name(name, stage),
+                        mode=f"fwd+bwd x {args.calls}", **measured))
     write_markdown(args.out, "packed_first_call.md", header, markdown(rows))
 
 

@@ -30,11 +30,11 @@ def benchmark_parser(description: str, rounds: int = 10) -> argparse.ArgumentPar
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", action="append", default=[])
     parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--out", type=_directory, default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", type=output_directory, default=os.environ.get("OUT", "."))
     return parser
 
 
-def _directory(path):
+def output_directory(path):
     """--out's directory, made if it is not there yet."""
     os.makedirs(path, exist_ok=True)
     return path

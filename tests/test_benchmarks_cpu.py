@@ -239,3 +239,26 @@ def test_fp8_per_call_column_separates_the_chains_fixed_cost(monkeypatch, capsys
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert len(rows) == 6  # three implementations, fwd and fwd+bwd
     assert all(line.count("|") == 9 for line in rows)
+
+
+def test_first_call_graph_cache_rows_fill_then_read_one_new_directory(monkeypatch):
+    """--graph-cache: a row runs in a process that fills a new JAX_SDPA_GRAPH_CACHE_DIR, then in
+    another that reads the same directory; without it, once with the caller's environment."""
+    import os
+    from benchmarks import first_call
+
+    seen = []
+
+    def fake(module, child_args, timeout, env=None):
+        directory = (env or {}).get("JAX_SDPA_GRAPH_CACHE_DIR")
+        seen.append((module, child_args, directory, directory and os.path.isdir(directory)))
+        return {"first_call_s": 1.0}
+    monkeypatch.setattr(first_call, "in_fresh_process", fake)
+    stages = first_call.runs("benchmarks.x", ("a",), 5, graph_cache=True)
+    assert [stage for stage, _ in stages] == ["graph files filling", "graph files warm"]
+    assert seen[0][2] == seen[1][2] and seen[0][3] and seen[1][3]
+    assert not os.path.exists(seen[0][2])  # removed afterwards
+    assert first_call.runs("benchmarks.x", ("a",), 5) == [("", {"first_call_s": 1.0})]
+    assert seen[-1][2] is None
+    assert first_call.stage_name("checked", "graph files warm") == "checked, graph files warm"
+    assert first_call.stage_name("checked", "") == "checked"
