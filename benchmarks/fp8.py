@@ -67,10 +67,10 @@ def _framework_functions(causal, scale):
 
 def _span_ms(fn, inputs):
     """GPU span per call of one traced run of the chain, ms."""
-    directory = tempfile.mkdtemp(prefix="jax_sdpa_fp8_span_")
-    with jax.profiler.trace(directory):
-        jax.block_until_ready(fn(inputs))
-    return gpu_span(directory)[0] / CALLS / 1e3
+    with tempfile.TemporaryDirectory(prefix="jax_sdpa_fp8_span_") as directory:
+        with jax.profiler.trace(directory):
+            jax.block_until_ready(fn(inputs))
+        return gpu_span(directory)[0] / CALLS / 1e3
 
 
 def per_call(short, long):

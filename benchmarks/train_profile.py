@@ -99,21 +99,18 @@ def pipelined(rows, steps, extra):
     after the next step is dispatched; train_gpt2.StepLog times it): prints the median time
     per step, the steps' times and the example's tokens/s."""
     train_step, next_batch, params, opt_state = _step_and_batches(rows, extra)
-    step_log, batch, pending = train_gpt2.StepLog(), train_gpt2.on_device(next_batch()), None
+    step_log, batch = train_gpt2.StepLog(), train_gpt2.on_device(next_batch())
     collections = _FullCollections()
     for step in range(1, steps + 3):
         x, y, batch_rows, count = batch
         params, opt_state, loss = train_step(params, opt_state, x, y, batch_rows)
         batch = train_gpt2.on_device(next_batch())
-        if step == 2:  # as the example does
-            gc.freeze()
+        step_log.dispatched(step, loss, count)  # freezes the collector's objects at step 2
+        if step == 2:
             gc.callbacks.append(collections)
-        if pending is not None:
-            step_log.read(*pending)
-        pending = (step, loss, count)
-    step_log.read(*pending)
+    step_log.flush()
     gc.callbacks.remove(collections)
-    gc.unfreeze()
+    gc.unfreeze()  # the next mode starts from the collector as it was
     timed = [entry["seconds"] for entry in step_log.history[2:]]  # as StepLog counts them
     print(f"{rows}, pipelined: median {statistics.median(timed) * 1e3:.1f} ms per step over "
           f"{len(timed)} steps; {step_log.tokens_per_s:,.0f} loss-carrying tokens/s", flush=True)

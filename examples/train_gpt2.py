@@ -172,7 +172,22 @@ class StepLog:
 
     def __init__(self):
         self.history, self._timed = [], []  # timed: (seconds, tokens with a loss) per step
+        self._pending = None  # the step dispatched last, read once the next one is dispatched
         self.restart_clock()
+
+    def dispatched(self, step, loss, tokens):
+        """Called once a step is dispatched: reads the step before it (the GPU already holds
+        this one's work, so it never waits between steps) and keeps this one for later."""
+        if step == 2:  # compiled: the objects alive now live for the whole run, and the
+            gc.freeze()  # collector's full passes over them would stall a step by ~0.1 s
+        self.flush()
+        self._pending = (step, loss, tokens)
+
+    def flush(self):
+        """Reads the step dispatched last, if it is not read yet."""
+        if self._pending is not None:
+            self.read(*self._pending)
+            self._pending = None
 
     def restart_clock(self):
         self._clock = time.perf_counter()
@@ -235,19 +250,13 @@ def main(argv=None):
     step_log, validation = StepLog(), []
     bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True)
     batch = on_device(next_batch())
-    pending = None  # the step dispatched last: its loss is read after the next one is dispatched
     for step in bar:
         x, y, rows, tokens = batch
         params, opt_state, loss = train_step(params, opt_state, x, y, rows)
         batch = on_device(next_batch())  # cut and copied while the step runs, as a loader would
-        if step == 2:  # compiled: the objects alive now live for the whole run, and the
-            gc.freeze()  # collector's full passes over them would stall a step by ~0.1 s
-        if pending is not None:
-            step_log.read(*pending)  # the GPU already holds this step's work: no gap between steps
-        pending = (step, loss, tokens)
+        step_log.dispatched(step, loss, tokens)
         if step % args.eval_every == 0 or step == args.steps:
-            step_log.read(*pending)
-            pending = None
+            step_log.flush()
             val_loss = float(np.mean([eval_loss(params, vx, vy, vrows)
                                       for vx, vy, vrows in val_batches]))
             validation.append(dict(step=step, loss=val_loss))

@@ -172,3 +172,23 @@ def test_step_log_times_each_step_from_the_loss_before(monkeypatch):
     assert [entry["loss"] for entry in log.history] == [2.5, 1.5, 0.5, 0.25]
     assert all(type(entry["loss"]) is float for entry in log.history)
     assert log.tokens_per_s == (30 + 40) / 0.75
+
+
+def test_step_log_reads_each_step_once_the_next_is_dispatched(monkeypatch):
+    """StepLog.dispatched reads the step dispatched before (not the new one); flush reads the
+    last one; after the second step the collector's objects are frozen."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gc  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import train_gpt2  # noqa: PLC0415
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    log = train_gpt2.StepLog()
+    log.dispatched(1, np.float32(2.0), 10)
+    assert log.history == [] and not frozen
+    log.dispatched(2, np.float32(1.5), 10)
+    assert [entry["step"] for entry in log.history] == [1] and frozen == [True]
+    log.flush()
+    log.flush()  # nothing left to read
+    assert [entry["step"] for entry in log.history] == [1, 2]
+    assert [entry["loss"] for entry in log.history] == [2.0, 1.5]
