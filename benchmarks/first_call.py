@@ -1,7 +1,7 @@
 """The first call, measured fairly: every implementation in a fresh process of its own.
 
-    python -m benchmarks.first_call [--only CONFIG ...] [--impl NAME ...] [--graph-cache]
-                                    [--out DIR]
+    python -m benchmarks.first_call [--only CONFIG ...] [--impl NAME ...] [--graph-cache
+                                    [--xla-cache]] [--out DIR]
 
 benchmarks/attention.py times first calls inside one process, where whichever implementation
 runs first warms cuDNN (handles, loaded kernels) for the others. Here each (config,
@@ -9,8 +9,8 @@ implementation, mode) starts a new Python process that imports JAX, makes the in
 measures: trace + lower, XLA compile, the first execution (cuDNN graphs are built there for the
 custom-call paths), and a second execution for scale. Process start and imports are reported
 apart (they are the same for everyone). With --graph-cache, each row runs twice, in a
-process that fills a new JAX_SDPA_GRAPH_CACHE_DIR and in one that reads it. Writes
-first_call.md and first_call.json.
+process that fills a new JAX_SDPA_GRAPH_CACHE_DIR and in one that reads it (--xla-cache: JAX's
+persistent compilation cache as well). Writes first_call.md and first_call.json.
 """
 
 from __future__ import annotations
@@ -76,15 +76,25 @@ def in_fresh_process(module, child_args, timeout, env=None):
     return json.loads(lines[-1])
 
 
-def runs(module, child_args, timeout, graph_cache=False):
+# JAX's persistent compilation cache, for every executable however quick to compile.
+_XLA_CACHE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def runs(module, child_args, timeout, graph_cache=False, xla_cache=False):
     """[(stage, measured)]: ("", one fresh process), or with graph_cache ("graph files
     filling", a process that fills a new JAX_SDPA_GRAPH_CACHE_DIR) then ("graph files warm",
-    a second process that reads it)."""
+    a second process that reads it); xla_cache: JAX's persistent compilation cache too, in
+    the same new directory (a restarted job with both caches)."""
     if not graph_cache:
         return [("", in_fresh_process(module, child_args, timeout))]
     with tempfile.TemporaryDirectory(prefix="jax_sdpa_graphs_") as directory:
         env = {"JAX_SDPA_GRAPH_CACHE_DIR": directory}
-        return [(f"graph files {stage}", in_fresh_process(module, child_args, timeout, env))
+        label = "graph files"
+        if xla_cache:
+            env.update(_XLA_CACHE, JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "xla"))
+            label = "graph files and XLA cache"
+        return [(f"{label} {stage}", in_fresh_process(module, child_args, timeout, env))
                 for stage in ("filling", "warm")]
 
 
@@ -117,6 +127,8 @@ def fresh_process_parser(description, child_args, implementations=None):
     parser.add_argument("--graph-cache", action="store_true",
                         help="each row twice: filling a new JAX_SDPA_GRAPH_CACHE_DIR, then "
                              "reading it in another fresh process")
+    parser.add_argument("--xla-cache", action="store_true",
+                        help="with --graph-cache: JAX's persistent compilation cache as well")
     parser.add_argument("--child", nargs=child_args, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -148,7 +160,7 @@ def main(argv=None):
             for mode in MODES:
                 for stage, measured in runs("benchmarks.first_call",
                                             (config.name, implementation, mode), args.timeout,
-                                            args.graph_cache):
+                                            args.graph_cache, args.xla_cache):
                     record(args.out, "first_call", header, rows,
                            dict(config=config.name, impl=stage_name(implementation, stage),
                                 mode=mode, **measured))

@@ -2,7 +2,8 @@
 graphs are built there), XLA compile, first and second run.
 
     python -m benchmarks.packed_first_call [--only 8x1024 ...] [--impl NAME ...] [--calls 1]
-                                           [--ids argument|constant] [--graph-cache] [--out DIR]
+                                           [--ids argument|constant]
+                                           [--graph-cache [--xla-cache]] [--out DIR]
 
 benchmarks/packed.py reports the compile of its 8-call chains inside one process, where the
 first implementation warms cuDNN for the others; here each (config, implementation) starts a
@@ -115,7 +116,7 @@ def main(argv=None):
     for config, name in itertools.product(chosen, args.impl or IMPLEMENTATIONS):
         for stage, measured in runs("benchmarks.packed_first_call",
                                     (config, name, str(args.calls), args.ids), args.timeout,
-                                    args.graph_cache):
+                                    args.graph_cache, args.xla_cache):
             record(args.out, "packed_first_call", header, rows,
                    dict(config=config, impl=stage_name(name, stage),
                         mode=f"fwd+bwd x {args.calls}", **measured))

@@ -262,3 +262,22 @@ def test_first_call_graph_cache_rows_fill_then_read_one_new_directory(monkeypatc
     assert seen[-1][2] is None
     assert first_call.stage_name("checked", "graph files warm") == "checked, graph files warm"
     assert first_call.stage_name("checked", "") == "checked"
+
+
+def test_first_call_xla_cache_rows_share_one_compilation_cache(monkeypatch):
+    """--graph-cache --xla-cache: both processes also point JAX's persistent compilation cache
+    (for every executable) into the same new directory."""
+    from benchmarks import first_call
+
+    seen = []
+
+    def fake(module, child_args, timeout, env=None):
+        seen.append(dict(env))
+        return {"first_call_s": 1.0}
+    monkeypatch.setattr(first_call, "in_fresh_process", fake)
+    stages = first_call.runs("benchmarks.x", ("a",), 5, graph_cache=True, xla_cache=True)
+    assert [stage for stage, _ in stages] == ["graph files and XLA cache filling",
+                                              "graph files and XLA cache warm"]
+    assert seen[0] == seen[1]
+    assert seen[0]["JAX_COMPILATION_CACHE_DIR"].startswith(seen[0]["JAX_SDPA_GRAPH_CACHE_DIR"])
+    assert seen[0]["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
