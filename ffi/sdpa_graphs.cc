@@ -178,23 +178,29 @@ TensorPtr MaskScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr s
       c.padding ? kv_lengths : nullptr);
 }
 
-// Segment ids: int32 [batch, 1, seq, 1] for the queries, [batch, 1, 1, seq] for the keys.
+// Segment ids: int32 [batch, 1, q_seq, 1] for the queries; the keys' [batch, kv_seq] are
+// described as [batch, 1, q_seq, kv_seq] with stride 0 along the queries. (As [batch, 1, 1,
+// kv_seq], cuDNN 9.19's backward reads them wrongly: dQ off 37x where a key-side limit is
+// probed; the stride-0 tile gives the reference's gradients. docs/DEVELOPING.md.)
 struct SegmentIds {
   TensorPtr q, kv;
 };
 
 SegmentIds AddSegmentIds(fe::graph::Graph& graph, const SdpaConfig& c) {
   if (!c.segment_mask) return {};
-  auto ids = [&](const char* name, int64_t uid, std::vector<int64_t> dims, int64_t seq_len) {
+  auto ids = [&](const char* name, int64_t uid, std::vector<int64_t> dims,
+                 std::vector<int64_t> strides) {
     return graph.tensor(fe::graph::Tensor_attributes()
                             .set_name(name)
                             .set_uid(uid)
                             .set_dim(std::move(dims))
-                            .set_stride({seq_len, seq_len, 1, 1})
+                            .set_stride(std::move(strides))
                             .set_data_type(fe::DataType_t::INT32));
   };
-  return {ids("q_segment_ids", kQSegmentIds, {c.batch, 1, c.q_seq_len, 1}, c.q_seq_len),
-          ids("kv_segment_ids", kKvSegmentIds, {c.batch, 1, 1, c.kv_seq_len}, c.kv_seq_len)};
+  return {ids("q_segment_ids", kQSegmentIds, {c.batch, 1, c.q_seq_len, 1},
+              {c.q_seq_len, c.q_seq_len, 1, 1}),
+          ids("kv_segment_ids", kKvSegmentIds, {c.batch, 1, c.q_seq_len, c.kv_seq_len},
+              {c.kv_seq_len, c.kv_seq_len, 0, 1})};
 }
 
 // Scores of keys whose segment id is not the query's become -inf. Each node takes a
