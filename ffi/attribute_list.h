@@ -13,7 +13,8 @@
   SEP() X(bool, padding, false)         /* int32 [B] lengths operands: cuDNN's padding mask */ \
   SEP() X(bool, ragged, false)          /* packed documents: lengths per document, offsets */  \
   SEP() X(bool, deterministic, false)   /* backward: cuDNN's deterministic algorithm */        \
-  SEP() X(float, dropout, 0.0f)         /* > 0: Philox seed and offset operands */
+  SEP() X(float, dropout, 0.0f)         /* > 0: Philox seed and offset operands */          \
+  SEP() X(bool, segment_mask, false)    /* int32 [B, T], [B, S] ids: keys of other ids masked */
 
 #define JAX_SDPA_CALL_ATTRIBUTES(X, SEP)                                                      \
   X(bool, has_bias, false)                                                                    \

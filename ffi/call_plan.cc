@@ -48,9 +48,9 @@ ffi::Error CheckFp8Call(Direction direction, const SdpaConfig& c, const Optional
   bool causal_only = c.window_left < 0 && (c.window_right < 0 || c.window_right == 0) &&
                      !c.bottom_right;
   if (!causal_only || c.logits_soft_cap > 0 || c.ragged || c.dropout > 0 || optional.bias ||
-      c.page_size > 0) {
+      c.page_size > 0 || c.segment_mask) {
     return InvalidArgument("an FP8 call takes no window but causal (top-left), soft-cap, bias, "
-                           "dropout, packed documents or paging: " + c.ToString());
+                           "dropout, segment ids, packed documents or paging: " + c.ToString());
   }
   const Operand& scales = *optional.fp8_scales;
   int64_t expected = vmapped * Fp8ScaleCount(direction) * kFp8ScaleRow;
@@ -137,6 +137,20 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Opera
       }
     }
   }
+  if (c.segment_mask) {
+    if (c.ragged || c.page_size > 0) {
+      return Failure{InvalidArgument("segment ids mask a dense call only")};
+    }
+    for (auto [ids, seq_len] : {std::pair{&*optional.q_segment_ids, c.q_seq_len},
+                                std::pair{&*optional.kv_segment_ids, c.kv_seq_len}}) {
+      if (ids->element_type() != ffi::DataType::S32 ||
+          static_cast<int64_t>(ids->element_count()) != vmapped * batch * seq_len) {
+        return Failure{InvalidArgument("segment ids must be int32 [batch, seq] (" +
+                                       std::to_string(batch) + ", " + std::to_string(seq_len) +
+                                       "), got " + DimsToString(ids->dimensions()))};
+      }
+    }
+  }
   if (c.ragged) {
     const Operand& offsets = *optional.offsets;
     int64_t count = static_cast<int64_t>(offsets.element_count());
@@ -212,9 +226,9 @@ ffi::ErrorOr<CallPlan> PlanPagedCall(int32_t device, const Operand& q,
   CallPlan plan;
   plan.optional = std::move(optional);
   if (!attributes.padding || attributes.ragged || attributes.has_bias ||
-      attributes.dropout > 0) {
+      attributes.dropout > 0 || attributes.segment_mask) {
     return Failure{InvalidArgument("a paged call takes lengths and a page table, and no bias, "
-                                   "dropout or ragged layout")};
+                                   "dropout, segment ids or ragged layout")};
   }
   auto qd = q.dimensions();
   auto kd = k.dimensions();

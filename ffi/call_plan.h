@@ -16,11 +16,11 @@
 
 namespace jax_sdpa {
 
-// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [offsets],
-// [page_table], [dropout_seed], [poison_rows], [tails], [fp8_scales].
+// The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [q_segment_ids,
+// kv_segment_ids], [offsets], [page_table], [dropout_seed], [poison_rows], [tails], [fp8_scales].
 struct OptionalInputs {
-  std::optional<Operand> bias, q_lengths, kv_lengths, offsets, page_table, dropout_seed,
-      poison_rows, tails, fp8_scales;
+  std::optional<Operand> bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, offsets,
+      page_table, dropout_seed, poison_rows, tails, fp8_scales;
 };
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
@@ -40,6 +40,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
                                                 const CallAttributes& attributes) {
   bool has_dropout = attributes.dropout > 0;
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.padding ? 2 : 0) +
+                    (attributes.segment_mask ? 2 : 0) +
                     (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
                     (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
                     (attributes.zero_tails ? 1 : 0) + (attributes.fp8_gradients ? 1 : 0);
@@ -59,6 +60,10 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   if (attributes.padding) {
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_lengths));
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_lengths));
+  }
+  if (attributes.segment_mask) {
+    JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_segment_ids));
+    JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_segment_ids));
   }
   if (attributes.ragged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.offsets));
   if (attributes.paged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.page_table));

@@ -52,7 +52,9 @@ struct SdpaConfig {
   // bottom-right; -1: no bound; causal is window_right = 0; the graph builder alone makes
   // cuDNN's exclusive left bound); padding (int32 [batch] actual lengths of queries and
   // keys/values); ragged; deterministic (backward only); dropout (the probability of dropping
-  // a weight: Philox seed and offset operands, so the backward drops what the forward dropped).
+  // a weight: Philox seed and offset operands, so the backward drops what the forward dropped);
+  // segment_mask (int32 segment-id operands of the queries and keys: a key whose id is not the
+  // query's is masked, inside the score modifier, as soft-cap's band and padding are).
   JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_FIELD, JAX_SDPA_NOTHING)
   // Packed documents (cuDNN's ragged layout): `batch` counts documents, each a run of tokens at
   // its own offset into [total_q_tokens, heads, dim] (queries, output) and [total_kv_tokens, ...]

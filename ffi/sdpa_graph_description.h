@@ -38,6 +38,8 @@ enum TensorUid : int64_t {
   kKPageTable,  // paged K/V: int32 [batch, pages per sequence]; one table serves K and V
   kVPageTable,
   kFp8Scales,         // an FP8 call's scale factors: kFp8Scales + Fp8Scale (fp8_scales.h)
+  kQSegmentIds = 48,  // segment_mask: int32 [batch, q_seq] ids of the queries
+  kKvSegmentIds,      // and [batch, kv_seq] of the keys
   kFp8Amaxes = 64,    // and its amaxes: kFp8Amaxes + Fp8ForwardAmax / Fp8BackwardAmax
 };
 

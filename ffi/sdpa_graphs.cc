@@ -178,6 +178,62 @@ TensorPtr MaskScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr s
       c.padding ? kv_lengths : nullptr);
 }
 
+// Segment ids: int32 [batch, 1, q_seq, 1] for the queries; the keys' [batch, kv_seq] are
+// described as [batch, 1, q_seq, kv_seq] with stride 0 along the queries. (As [batch, 1, 1,
+// kv_seq], cuDNN 9.19's backward reads them wrongly: dQ off 37x where a key-side limit is
+// probed; the stride-0 tile gives the reference's gradients. docs/DEVELOPING.md.)
+struct SegmentIds {
+  TensorPtr q, kv;
+};
+
+SegmentIds AddSegmentIds(fe::graph::Graph& graph, const SdpaConfig& c) {
+  if (!c.segment_mask) return {};
+  auto ids = [&](const char* name, int64_t uid, std::vector<int64_t> dims,
+                 std::vector<int64_t> strides) {
+    return graph.tensor(fe::graph::Tensor_attributes()
+                            .set_name(name)
+                            .set_uid(uid)
+                            .set_dim(std::move(dims))
+                            .set_stride(std::move(strides))
+                            .set_data_type(fe::DataType_t::INT32));
+  };
+  return {ids("q_segment_ids", kQSegmentIds, {c.batch, 1, c.q_seq_len, 1},
+              {c.q_seq_len, c.q_seq_len, 1, 1}),
+          ids("kv_segment_ids", kKvSegmentIds, {c.batch, 1, c.q_seq_len, c.kv_seq_len},
+              {c.kv_seq_len, c.kv_seq_len, 0, 1})};
+}
+
+// Scores of keys whose segment id is not the query's become -inf. Each node takes a
+// scores-shaped operand (the ids are spread over a [.., q_seq, kv_seq] tile of ones first),
+// the form cuDNN's fused kernels take; int32 arithmetic, so that any two ids stay distinct.
+TensorPtr MaskOtherSegments(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr scores,
+                            const SegmentIds& ids) {
+  auto node = [&](TensorPtr a, TensorPtr b, fe::PointwiseMode_t mode, const char* name) {
+    auto out = graph->pointwise(a, b, fe::graph::Pointwise_attributes()
+                                          .set_name(name)
+                                          .set_mode(mode)
+                                          .set_compute_data_type(fe::DataType_t::INT32));
+    out->set_data_type(fe::DataType_t::INT32);
+    return out;
+  };
+  auto column = graph->pointwise(scores, fe::graph::Pointwise_attributes()
+                                             .set_name("segment_column")
+                                             .set_mode(fe::PointwiseMode_t::GEN_INDEX)
+                                             .set_axis(3)
+                                             .set_compute_data_type(fe::DataType_t::INT32));
+  column->set_data_type(fe::DataType_t::INT32);
+  auto ones = node(column, column, fe::PointwiseMode_t::CMP_LE, "segment_ones");
+  auto q_ids = node(ones, ids.q, fe::PointwiseMode_t::MUL, "segment_q_ids");
+  auto kv_ids = node(ones, ids.kv, fe::PointwiseMode_t::MUL, "segment_kv_ids");
+  auto same = node(q_ids, kv_ids, fe::PointwiseMode_t::CMP_EQ, "segment_same");
+  auto negative_inf =
+      std::make_shared<fe::graph::Tensor_attributes>(score_modifiers::get_negative_inf_value());
+  return graph->pointwise(scores, negative_inf, same,
+                          fe::graph::Pointwise_attributes()
+                              .set_name("segment_select")
+                              .set_mode(fe::PointwiseMode_t::BINARY_SELECT));
+}
+
 // The masking, soft-cap, bias and dropout options common to SDPA_attributes and
 // SDPA_backward_attributes.
 template <typename Options>
@@ -189,11 +245,13 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& sof
     kv_lengths = AddInt32Vector(graph, "kv_lengths", kKvLengths, c.batch);
     options.set_seq_len_q(q_lengths).set_seq_len_kv(kv_lengths);
   }
-  if (soft_cap.modifier) {
-    options.set_score_mod([soft_cap, c, q_lengths, kv_lengths](
+  if (soft_cap.modifier || c.segment_mask) {
+    SegmentIds ids = AddSegmentIds(graph, c);
+    options.set_score_mod([soft_cap, c, q_lengths, kv_lengths, ids](
                               std::shared_ptr<fe::graph::Graph> sub, TensorPtr scores) {
-      scores = soft_cap.modifier->forward(sub, scores, soft_cap.cap);
-      return MaskScores(sub, scores, c, q_lengths, kv_lengths);
+      if (soft_cap.modifier) scores = soft_cap.modifier->forward(sub, scores, soft_cap.cap);
+      scores = MaskScores(sub, scores, c, q_lengths, kv_lengths);
+      return c.segment_mask ? MaskOtherSegments(sub, scores, ids) : scores;
     });
   } else {
     if (c.window_right >= 0 || c.window_left >= 0) {
@@ -397,6 +455,10 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
   if (c.padding) {
     pack[kQLengths] = Mutable(in.q_lengths);
     pack[kKvLengths] = Mutable(in.kv_lengths);
+  }
+  if (c.segment_mask) {
+    pack[kQSegmentIds] = Mutable(in.q_segment_ids);
+    pack[kKvSegmentIds] = Mutable(in.kv_segment_ids);
   }
   if (c.ragged) {
     pack[kQOffsets] = Mutable(in.offsets.q);

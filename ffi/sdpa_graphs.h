@@ -36,6 +36,8 @@ struct AttentionInputs {
   const void* bias = nullptr;
   const void* q_lengths = nullptr;
   const void* kv_lengths = nullptr;
+  const void* q_segment_ids = nullptr;  // int32 [batch, q_seq] and [batch, kv_seq]
+  const void* kv_segment_ids = nullptr;
   RaggedOffsets offsets;
   const void* page_table = nullptr;  // paged K/V: int32 [batch, pages per sequence]
   const void* dropout_seed = nullptr;

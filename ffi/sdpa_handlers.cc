@@ -152,6 +152,10 @@ AttentionInputs InputsSlice(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     in.q_lengths = Slice(*optional.q_lengths, r, repeats);
     in.kv_lengths = Slice(*optional.kv_lengths, r, repeats);
   }
+  if (optional.q_segment_ids) {
+    in.q_segment_ids = Slice(*optional.q_segment_ids, r, repeats);
+    in.kv_segment_ids = Slice(*optional.kv_segment_ids, r, repeats);
+  }
   if (optional.offsets) {
     const int32_t* rows = static_cast<const int32_t*>(Slice(*optional.offsets, r, repeats));
     in.offsets = {rows, rows + plan.offsets_row, rows + 2 * plan.offsets_row,
@@ -302,8 +306,8 @@ auto AttentionBinding() {
 
 auto ForwardBinding() {
   return AttentionBinding()
-      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
-                        // [tails], [fp8 scales]
+      .RemainingArgs()  // [bias], [q/kv lengths], [q/kv segment ids], [offsets], [page_table],
+                        // [seed], [poison_rows], [tails], [fp8 scales]
       .Ret<ffi::AnyBuffer>()  // o
       .Ret<ffi::AnyBuffer>()  // stats
       .RemainingRets()        // [fp8 amaxes], [workspace]
@@ -315,8 +319,8 @@ auto BackwardBinding() {
       .Arg<ffi::AnyBuffer>()  // o
       .Arg<ffi::AnyBuffer>()  // stats
       .Arg<ffi::AnyBuffer>()  // d_o
-      .RemainingArgs()  // [bias], [q/kv lengths], [offsets], [page_table], [seed], [poison_rows],
-                        // [tails], [fp8 scales]
+      .RemainingArgs()  // [bias], [q/kv lengths], [q/kv segment ids], [offsets], [page_table],
+                        // [seed], [poison_rows], [tails], [fp8 scales]
       .Ret<ffi::AnyBuffer>()  // dq
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv

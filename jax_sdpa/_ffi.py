@@ -23,12 +23,17 @@ def _tails(inputs):
 
 def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=None):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
-    when ragged), [offsets], [dropout_seed], [poison_rows], [tails], [fp8_scales]."""
+    when ragged), [q_segment_ids, kv_segment_ids] (a dense call's segment mask), [offsets],
+    [dropout_seed], [poison_rows], [tails], [fp8_scales]."""
     operands = [inputs["bias"]] if config.has_bias else []
     if ragged_operands is not None:
         operands += list(ragged_operands)
-    elif config.has_lengths:
-        operands += [inputs["q_lengths"], inputs["kv_lengths"]]
+    else:
+        if config.has_lengths:
+            operands += [inputs["q_lengths"], inputs["kv_lengths"]]
+        if config.segments:
+            operands += [inputs["q_segment_ids"].astype(jnp.int32),
+                         inputs.get("kv_segment_ids", inputs["q_segment_ids"]).astype(jnp.int32)]
     if config.has_seed:
         operands.append(inputs["dropout_seed"])
     if poison_rows is not None:

@@ -66,8 +66,9 @@ class CallSpec:
     same_lengths: bool = False
     # Packed documents from segment ids [B, T] / [B, S]: "" none, "self" (keys share the
     # queries' ids), "cross" (kv_segment_ids of their own); at most max_segments documents per
-    # row run on cuDNN's ragged layout, anything else on the exact fallback (kernels.py).
-    # Planning clears it where the ids must become a dense bias instead.
+    # row run on cuDNN's ragged layout, anything else on the exact fallback (kernels.py): a
+    # dense call with the ids as operands (the segment_mask attribute). Planning clears it
+    # where the ids must become a dense bias instead.
     segments: str = ""
     max_segments: int = 0
     # (queries, keys): the caller's stated bound on a document's tokens (its documents are
@@ -166,7 +167,7 @@ class CallSpec:
             max_document_length_kv=np.int64(max_document_length[1]), paged=self.paged,
             fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
-            poison_rows=bool(poison_rows))
+            poison_rows=bool(poison_rows), segment_mask=bool(self.segments) and not ragged)
         return attributes
 
 

@@ -6,8 +6,9 @@ first token) and leaves what cuDNN leaves: tokens of no document are zero when t
 handler to zero-fill, NaN otherwise, so a test fails if the packed path relies on them. Its
 backward computes from the output and lse it is given, as cuDNN's does (a sink attention's
 gradient, given the sink attention's output and lse). Dense (non-ragged) calls go to the
-reference kernel forward, and their backward reads the lse likewise (band, lengths, bias,
-soft-cap; dropout alone takes the reference's recomputing backward). Any disagreement between
+reference kernel forward (with the segment mask, rows that see no key left NaN as cuDNN
+leaves them), and their backward reads the lse likewise (band, lengths, ids, bias, soft-cap;
+dropout alone takes the reference's recomputing backward). Any disagreement between
 the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
 jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
 without a GPU.
@@ -139,9 +140,40 @@ def _poisoned(x, poison_rows):
                                     jnp.nan, x[:, 0]))
 
 
+def _dense_keep(config, inputs):
+    """bool [B, 1, T, S] or None: the keys a dense call's masks leave each query (band,
+    lengths, and with the segment mask the ids)."""
+    q_seq_len, kv_seq_len = inputs["query"].shape[1], inputs["key"].shape[1]
+    return combined_mask(
+        q_seq_len, kv_seq_len,
+        query_seq_lengths=inputs["q_lengths"] if config.has_lengths else None,
+        key_value_seq_lengths=inputs["kv_lengths"] if config.has_lengths else None,
+        local_window_size=config.window(),
+        diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len),
+        query_segment_ids=inputs["q_segment_ids"] if config.segments else None,
+        kv_segment_ids=inputs["kv_segment_ids"] if config.segments else None)
+
+
+def _segment_masked_forward(config, inputs):
+    """A dense call with the segment mask, as cuDNN leaves it: rows whose every score is
+    masked come back NaN with a non-finite lse, and the handler's tails fill zeroes the rows
+    past the lengths afterwards."""
+    out, lse = reference_kernel.forward(config, inputs)
+    seen = jnp.any(_dense_keep(config, inputs), axis=-1)  # [B, 1, T]
+    out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], out, jnp.nan)
+    lse = jnp.where(seen, lse, -jnp.inf)
+    if config.zero_fill() == "tails":
+        past = (jnp.arange(out.shape[1])[None, :] >= _ffi._tails(inputs)[:, :1])  # [B, T]
+        out = jnp.where(past[:, :, None, None], 0.0, out).astype(out.dtype)
+        lse = jnp.where(past[:, None, :], 0.0, lse)
+    return out, lse
+
+
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
                  poison_rows=None, workspace_for=None):  # (no workspace here)
     if ragged_operands is None:
+        if config.segments:
+            return _segment_masked_forward(config, inputs)
         return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     out, lse, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
@@ -173,12 +205,7 @@ def _dense_backward(inputs, output, lse, d_output, config):
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     weights = jnp.exp(logits - lse[..., None])
-    keep = combined_mask(
-        q_seq_len, kv_seq_len,
-        query_seq_lengths=inputs["q_lengths"] if config.has_lengths else None,
-        key_value_seq_lengths=inputs["kv_lengths"] if config.has_lengths else None,
-        local_window_size=config.window(),
-        diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len))
+    keep = _dense_keep(config, inputs)
     if keep is not None:
         weights = jnp.where(keep, weights, 0.0)
     dq, dk, dv, d_logits = _softmax_gradients(q, k, v, o, d_o, weights, config.scale, raw, cap)

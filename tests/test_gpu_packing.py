@@ -125,8 +125,8 @@ def test_packed_lse_and_deterministic_backward():
 
 @pytest.mark.parametrize("rows", ["contiguous", "reused_id"])
 def test_packed_dropout_keeps_its_rate_and_its_mask(rows):
-    """Dropout on the ragged layout, and (an id reused after a gap) in the exact fallback's
-    blocks: the same key gives the same bits, outputs average to the undropped one over keys,
+    """Dropout on the ragged layout, and (an id reused after a gap) in the exact fallback: the
+    same key gives the same bits, outputs average to the undropped one over keys,
     and the backward drops what the forward dropped (its gradient agrees with the output's
     central difference)."""
     rng = np.random.default_rng(5)
@@ -166,14 +166,13 @@ def test_non_contiguous_ids_take_the_exact_path():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["causal", "window_gqa", "key_lengths", "sinks"])
-def test_exact_fallback_in_blocks(case, dtype, monkeypatch):
-    """The exact fallback (jax_sdpa/packed_fallback.py) in blocks of 100 query rows (which do
-    not divide T), poisoned: every element written, and the reference's values and gradients,
-    rows that see no key (cut off by the key lengths: the values' mean, or the sink's) included."""
-    from jax_sdpa import packed_fallback  # noqa: PLC0415
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 100)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+@pytest.mark.parametrize("case", ["causal", "window_gqa", "key_lengths", "sinks", "soft_cap",
+                                  "large_ids"])
+def test_exact_fallback(case, dtype):
+    """The exact fallback (jax_sdpa/packed_fallback.py: one dense call, the ids masking inside
+    cuDNN), poisoned: every element written, and the reference's values and gradients, rows
+    that see no key (cut off by the key lengths: the values' mean, or the sink's) included.
+    large_ids: ids 2^24 apart, which a float32 comparison would take for one document."""
     rng = np.random.default_rng(7)
     kv_heads = 2 if case == "window_gqa" else 4
     q, k, v, d_out = random_qkv(36, 2, 520, 520, 4, kv_heads, 64, dtype)
@@ -187,6 +186,10 @@ def test_exact_fallback_in_blocks(case, dtype, monkeypatch):
         kwargs["key_value_seq_lengths"] = jnp.array([200, 450], jnp.int32)
     if case == "sinks":
         kwargs["sinks"] = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    if case == "soft_cap":
+        kwargs["logits_soft_cap"] = 5.0
+    if case == "large_ids":
+        kwargs["query_segment_ids"] = jnp.asarray(ids + (ids % 2) * (1 << 24))
     with poison_outputs():
         ours = check(q, k, v, d_out, case, **kwargs)
     for name, x in zip(("output", "dq", "dk", "dv"), ours):
@@ -194,12 +197,9 @@ def test_exact_fallback_in_blocks(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("t", [7, 2501])
-def test_exact_fallback_at_one_row_under_every_gradient_pattern(t, monkeypatch):
-    """B = 1, T = 7 or 2501 (blocks of 300 rows, the last one partial), an id reused after a
-    gap: jit(grad), vjp(jit), grad(jit) and checkpoint against the float32 reference."""
-    from jax_sdpa import packed_fallback  # noqa: PLC0415
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 300)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+def test_exact_fallback_at_one_row_under_every_gradient_pattern(t):
+    """B = 1, T = 7 or 2501, an id reused after a gap: jit(grad), vjp(jit), grad(jit) and
+    checkpoint against the float32 reference."""
     ids = np.array(packed_ids(np.random.default_rng(8), 1, t, low=1, high=max(2, t // 5)))
     ids[0, t // 2:] = ids[0, 0]  # the first document's id again, after a gap
     q, k, v, d_out = random_qkv(37, 1, t, t, 4, 2, 64, jnp.bfloat16)

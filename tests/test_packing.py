@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, kernels, packed_fallback, packing, planning
+from jax_sdpa import _ffi, kernels, packing, planning
 import ragged_emulator
 from conftest import (directional_derivative_error, gradient_patterns, random_qkv,
                       reference_gradients, relative_error)
@@ -114,12 +114,10 @@ FALLBACK_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(FALLBACK_CASES))
-def test_fallback_in_blocks_matches_segment_semantics(case, emulated_cudnn, monkeypatch):
-    """The exact fallback (jax_sdpa/packed_fallback.py: ids the table cannot express) in
-    blocks of 7 query rows, which do not divide T: output, lse and every gradient are the
-    reference's, rows that see no key included."""
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 7)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+def test_fallback_matches_segment_semantics(case, emulated_cudnn):
+    """The exact fallback (jax_sdpa/packed_fallback.py: ids the table cannot express, one
+    dense call masking them, its empty rows left NaN as cuDNN leaves them): output, lse and
+    every gradient are the reference's, rows that see no key included."""
     kwargs = dict(FALLBACK_CASES[case])
     ids = jnp.asarray(np.stack(ROWS[kwargs.pop("rows")]))
     kv_row = kwargs.pop("kv_row", None)
@@ -132,12 +130,10 @@ def test_fallback_in_blocks_matches_segment_semantics(case, emulated_cudnn, monk
 
 
 @pytest.mark.parametrize("t", [1, 7])
-def test_fallback_at_one_row_under_every_gradient_pattern(t, emulated_cudnn, monkeypatch):
+def test_fallback_at_one_row_under_every_gradient_pattern(t, emulated_cudnn):
     """B = 1 and T = 1 or 7, ids only the exact fallback computes (T = 7: an id reused after a
-    gap; T = 1: keys whose ids do), in blocks of 3 rows: jit(grad), vjp(jit), grad(jit) and
-    checkpoint all give the reference's values and gradients."""
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 3)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    gap; T = 1: keys whose ids do): jit(grad), vjp(jit), grad(jit) and checkpoint all give the
+    reference's values and gradients."""
     kv_ids = jnp.asarray([[1, 2, 1, 1, 2, 2, 1]], jnp.int32)
     kwargs = (dict(query_segment_ids=jnp.asarray([[1]], jnp.int32), kv_segment_ids=kv_ids)
               if t == 1 else dict(query_segment_ids=kv_ids, is_causal=True))
@@ -170,12 +166,10 @@ def test_checked_ragged_call_at_one_row_under_every_gradient_pattern(t, emulated
             assert relative_error(a, b) < 2e-2, f"{name} {label}: {relative_error(a, b):.2e}"
 
 
-def test_fallback_dropout_backward_drops_what_its_forward_dropped(emulated_cudnn, monkeypatch):
-    """Dropout in the exact fallback's blocks of 7 rows, each block with a seed of its own: one
-    key gives one output, and the gradient agrees with the output's central difference (a
-    backward block dropping other weights than its forward block's gives a gap of ~0.4)."""
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 7)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+def test_fallback_dropout_backward_drops_what_its_forward_dropped(emulated_cudnn):
+    """Dropout in the exact fallback: one key gives one output, and the gradient agrees with
+    the output's central difference (a backward dropping other weights than its forward's
+    gives a gap of ~0.4)."""
     q, k, v, d_out = (x.astype(jnp.float16) for x in qkv(21))
     ids = jnp.asarray(np.stack(ROWS["reused_id"]))
 
@@ -201,12 +195,10 @@ def random_ids(rng, length, reuse):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_packed_calls_match_segment_semantics(seed, emulated_cudnn, monkeypatch):
+def test_random_packed_calls_match_segment_semantics(seed, emulated_cudnn):
     """Random packed calls (ids reused or not, self or cross, causal, window, lengths, GQA,
-    sinks, few or many slots, the fallback in blocks of 5 rows) against the reference: whatever
-    branch the device picks, the segment-id semantics."""
-    monkeypatch.setattr(packed_fallback, "_MIN_BLOCK", 5)
-    monkeypatch.setattr(packed_fallback, "_BIAS_ELEMENTS", 1)
+    sinks, few or many slots) against the reference: whatever branch the device picks, the
+    segment-id semantics."""
     rng = np.random.default_rng(100 + seed)
     reuse = bool(rng.random() < 0.6)
     q_ids = np.stack([random_ids(rng, T, reuse) for _ in range(B)])
@@ -338,10 +330,10 @@ def test_vmap_folds_into_one_packed_call(emulated_cudnn):
 
 
 def test_packed_lowering_has_no_score_sized_array(monkeypatch):
-    """No [T, S] intermediate anywhere in the packed fwd+bwd for CUDA once T x S passes the
-    fallback's block budget (packed_fallback._BIAS_ELEMENTS): the ragged branch works per
-    token, the exact fallback per query block. And no matmul of ours: every branch is cuDNN
-    (a reference's matmuls would cost XLA's autotuning in every checked call's compile)."""
+    """No [T, S] intermediate anywhere in the packed fwd+bwd for CUDA: the ragged branch works
+    per token, the exact fallback masks the ids inside cuDNN. And no matmul of ours: every
+    branch is cuDNN (a reference's matmuls would cost XLA's autotuning in every checked
+    call's compile)."""
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     t = 8192
     q = jnp.zeros((1, t, 4, 64), jnp.bfloat16)
