@@ -7,8 +7,8 @@
 inputs: the config's arrays by name (call_spec.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
 device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
-table can express the ids, else the exact fallback (packed_fallback.py: dense cuDNN calls per
-block of query rows; no [T, S] array anywhere); or,
+table can express the ids, else the exact fallback (packed_fallback.py: one dense cuDNN call
+masking the ids inside its kernel; no [T, S] array anywhere); or,
 when the caller states the documents' bound, one ragged grid with no switch.
 """
 

@@ -196,7 +196,6 @@ def _dense_backward(inputs, output, lse, d_output, config):
     q, k, v, o, d_o = (x.astype(jnp.float32) for x in (query, inputs["key"], inputs["value"],
                                                          output, d_output))
     heads, kv_heads = q.shape[2], k.shape[2]
-    q_seq_len, kv_seq_len = q.shape[1], k.shape[1]
     k, v = repeat_heads(k, heads), repeat_heads(v, heads)
     highest = jax.lax.Precision.HIGHEST
     raw = jnp.einsum("btnh,bsnh->bnts", q, k, precision=highest) * config.scale
