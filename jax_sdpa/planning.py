@@ -23,6 +23,9 @@ MIN_RAGGED_COMPUTE_CAPABILITY = (9, 0)  # cuDNN's ragged (packed) layout: Hopper
 MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
 MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_HEAD_DIM = 256
+# cuDNN 9.9: a document mask from segment ids inside the score modifier (the checked packed
+# call's exact fallback, jax_sdpa/packed_fallback.py)
+MIN_SEGMENT_MASK_CUDNN_VERSION = 90900
 MIN_PAGED_CUDNN_VERSION = 90500  # cuDNN 9.5: page tables for K/V in the SDPA forward
 PAGED_WIDE_HEADS_CUDNN_VERSION = 91000  # head dims past 128 with paged K/V: cuDNN 9.10
 DECODE_WINDOW_CUDNN_VERSION = 91000  # a band on a single query row (s_q = 1): cuDNN 9.10
@@ -184,6 +187,11 @@ def ragged_reason(call: AttentionCall) -> str | None:
     if capability is not None and capability < MIN_RAGGED_COMPUTE_CAPABILITY:
         return ("cuDNN's ragged layout for segment ids needs compute capability 9.0 (Hopper) "
                 "or newer; using a dense [B, 1, T, S] bias")
+    version = _extension.cudnn_version() if device_reason() is None else None
+    if (not call.spec.max_document_length and version is not None and
+            version < MIN_SEGMENT_MASK_CUDNN_VERSION):
+        return (f"segment ids without max_document_length need cuDNN >= 9.9 for their exact "
+                f"fallback (the loaded cuDNN is {version}); using a dense [B, 1, T, S] bias")
     batch, q_seq_len, q_heads, head_dim = call.query.shape
     _, kv_seq_len, kv_heads, _ = call.key.shape
     head_dim_v = call.value.shape[-1]

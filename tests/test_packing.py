@@ -374,3 +374,28 @@ def test_blockwise_fallback_is_the_reference(case):
     assert relative_error(out_b, out_a) < 1e-5 and relative_error(lse_b, lse_a) < 1e-5
     cot = (d_out, jnp.zeros_like(lse_a))
     assert relative_error(vjp_b(cot)[0], vjp_a(cot)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("version", [90800, 90900])
+def test_checked_packed_calls_need_the_segment_mask_cudnn(version, monkeypatch):
+    """The checked call's exact fallback masks ids inside cuDNN (9.9 and newer): with an older
+    cuDNN a checked call takes the dense bias, naming the version; a stated bound (no
+    fallback) keeps the ragged layout either way."""
+    from jax_sdpa import _extension  # noqa: PLC0415
+    from jax_sdpa.validation import validate  # noqa: PLC0415
+    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(_extension, "cudnn_version", lambda: version)
+    q = jnp.zeros((2, 64, 2, 16), jnp.bfloat16)
+    ids = jnp.asarray(np.repeat(np.arange(4), 16)[None].repeat(2, 0), jnp.int32)
+    options = dict(scale=None, is_causal=True, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None, implementation="cudnn",
+                   query_segment_ids=ids)
+    checked = planning.ragged_reason(validate(q, q, q, None, None, **options))
+    stated = planning.ragged_reason(validate(q, q, q, None, None, max_document_length=16,
+                                             max_segments=4, **options))
+    assert stated is None
+    if version < planning.MIN_SEGMENT_MASK_CUDNN_VERSION:
+        assert "9.9" in checked and str(version) in checked
+    else:
+        assert checked is None
