@@ -1,5 +1,6 @@
 #include "call_plan.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace jax_sdpa {
@@ -160,6 +161,14 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Opera
       return Failure{InvalidArgument("ragged offsets must be int32 [5, >= documents + 1], got " +
                                      DimsToString(offsets.dimensions()) + " for " +
                                      std::to_string(entries) + " documents")};
+    }
+  }
+  if (optional.grid) {
+    const Operand& grid = *optional.grid;
+    if (!c.ragged || grid.element_type() != ffi::DataType::S32 ||
+        static_cast<int64_t>(grid.element_count()) != 3 * vmapped) {
+      return Failure{InvalidArgument("a device grid goes with the ragged layout as int32 [3], "
+                                     "got " + DimsToString(grid.dimensions()))};
     }
   }
   if (c.dropout > 0) {
@@ -329,6 +338,28 @@ std::vector<int64_t> StatsDims(const Operand& q, const SdpaConfig& c) {
   dims[rank - 3] = c.ragged ? seq : heads;
   dims[rank - 2] = c.ragged ? heads : seq;
   return dims;
+}
+
+ffi::Error ApplyGrid(const std::vector<int32_t>& grid, CallPlan& plan) {
+  SdpaConfig& c = plan.config;
+  int32_t entries = 0, queries = 0, keys = 0;
+  for (size_t i = 0; i + 2 < grid.size(); i += 3) {  // vmapped slices: a grid every one fits
+    entries = std::max(entries, grid[i]);
+    queries = std::max(queries, grid[i + 1]);
+    keys = std::max(keys, grid[i + 2]);
+  }
+  if (entries < 1 || entries > c.batch || queries < 1 || queries > c.q_seq_len || keys < 1 ||
+      keys > c.kv_seq_len) {
+    return Failure{InvalidArgument(
+        "the device grid (" + std::to_string(entries) + " documents of up to " +
+        std::to_string(queries) + ", " + std::to_string(keys) + " tokens) does not fit " +
+        std::to_string(c.batch) + " documents of up to " + std::to_string(c.q_seq_len) + ", " +
+        std::to_string(c.kv_seq_len))};
+  }
+  c.batch = entries;
+  c.q_seq_len = queries;
+  c.kv_seq_len = keys;
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_sdpa

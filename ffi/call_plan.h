@@ -17,10 +17,11 @@
 namespace jax_sdpa {
 
 // The optional inputs after the fixed ones: [bias], [q_lengths, kv_lengths], [q_segment_ids,
-// kv_segment_ids], [offsets], [page_table], [dropout_seed], [poison_rows], [tails], [fp8_scales].
+// kv_segment_ids], [offsets], [grid], [page_table], [dropout_seed], [poison_rows], [tails],
+// [fp8_scales].
 struct OptionalInputs {
   std::optional<Operand> bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, offsets,
-      page_table, dropout_seed, poison_rows, tails, fp8_scales;
+      grid, page_table, dropout_seed, poison_rows, tails, fp8_scales;
 };
 
 // How one call maps onto a cached graph: the config, and how many times the graph runs, each
@@ -41,7 +42,8 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
   bool has_dropout = attributes.dropout > 0;
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.padding ? 2 : 0) +
                     (attributes.segment_mask ? 2 : 0) +
-                    (attributes.ragged ? 1 : 0) + (attributes.paged ? 1 : 0) +
+                    (attributes.ragged ? 1 : 0) + (attributes.device_grid ? 1 : 0) +
+                    (attributes.paged ? 1 : 0) +
                     (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
                     (attributes.zero_tails ? 1 : 0) + (attributes.fp8_gradients ? 1 : 0);
   if (count != expected) {
@@ -66,6 +68,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_segment_ids));
   }
   if (attributes.ragged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.offsets));
+  if (attributes.device_grid) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.grid));
   if (attributes.paged) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.page_table));
   if (has_dropout) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.dropout_seed));
   if (attributes.poison_rows) JAX_SDPA_RETURN_IF_ERROR(next(&inputs.poison_rows));
@@ -81,6 +84,11 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(const ffi::RemainingArgs& rest,
 ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const Operand& q,
                                    const Operand& k, const Operand& v,
                                    OptionalInputs optional, const CallAttributes& attributes);
+
+// A ragged call's grid chosen on the device (the `grid` operand, copied to the host: int32
+// (documents, longest queries, longest keys) per vmapped slice): the plan's config runs the
+// first documents of its operands with those bounds, or an error if they exceed the plan's.
+ffi::Error ApplyGrid(const std::vector<int32_t>& grid, CallPlan& plan);
 
 // The output (and its cotangent): the query's shape with the value's head_dim.
 std::vector<int64_t> OutputDims(const Operand& q, const SdpaConfig& c);

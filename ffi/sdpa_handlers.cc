@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "call_attributes.h"
 #include "call_plan.h"
@@ -107,6 +108,22 @@ ffi::ErrorOr<std::optional<ffi::AnyBuffer>> GivenWorkspace(ffi::RemainingRets& e
   return std::optional<ffi::AnyBuffer>(**result);
 }
 
+// A ragged call whose grid the device chose (device_grid): its numbers copied to the host,
+// which waits for the stream, then the plan's config made that grid's. Such a call cannot be
+// recorded into a command buffer, where nothing may wait.
+ffi::Error ReadGrid(cudaStream_t stream, const CallAttributes& attributes, CallPlan& plan) {
+  if (!plan.optional.grid) return ffi::Error::Success();
+  if (attributes.command_buffer) {
+    return ffi::Error::InvalidArgument("jax_sdpa: a device grid cannot be recorded");
+  }
+  std::vector<int32_t> grid(plan.optional.grid->element_count());
+  JAX_SDPA_CUDA_CHECK(cudaMemcpyAsync(grid.data(), plan.optional.grid->untyped_data(),
+                                      plan.optional.grid->size_bytes(), cudaMemcpyDeviceToHost,
+                                      stream));
+  JAX_SDPA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return ApplyGrid(grid, plan);
+}
+
 // XLA's dtype of each ElementType, in its order.
 ffi::DataType BufferType(ElementType type) {
   static constexpr ffi::DataType kTypes[] = {ffi::DataType::F16, ffi::DataType::BF16,
@@ -182,6 +199,7 @@ ffi::Error SdpaForward(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     JAX_SDPA_ASSIGN_OR_RETURN(OptionalInputs optional, ReadOptionalInputs(rest, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan, PlanAnyCall(Direction::kForward, device, q, k, v,
                                                          std::move(optional), attributes));
+    JAX_SDPA_RETURN_IF_ERROR(ReadGrid(stream, attributes, plan));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*o, q.element_type(), OutputDims(q, c), "output"));
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(*stats, ffi::DataType::F32, StatsDims(q, c), "stats"));
@@ -226,6 +244,7 @@ ffi::Error SdpaBackward(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
     JAX_SDPA_ASSIGN_OR_RETURN(OptionalInputs optional, ReadOptionalInputs(rest, attributes));
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan, PlanAnyCall(Direction::kBackward, device, q, k, v,
                                                          std::move(optional), attributes));
+    JAX_SDPA_RETURN_IF_ERROR(ReadGrid(stream, attributes, plan));
     const SdpaConfig& c = plan.config;
     JAX_SDPA_RETURN_IF_ERROR(CheckShape(o, q.element_type(), OutputDims(q, c), "output"));
     ffi::DataType gradient_type = BufferType(c.gradient_type);

@@ -151,12 +151,13 @@ class CallSpec:
         return "tails" if self.window_left < 0 and not self.bottom_right else "all"
 
     def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
-                       poison_rows: bool = False) -> dict:
+                       poison_rows: bool = False, device_grid: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/attribute_list.h), all but
         command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call. ragged: the
         call runs packed documents (lengths per document, offsets); max_document_length:
         (queries, keys) no document is longer than, 0 for the rows' lengths; poison_rows: an int32
-        [B] operand names rows whose first token of every result the handler sets to NaN."""
+        [B] operand names rows whose first token of every result the handler sets to NaN;
+        device_grid: an int32 [3] operand after the offsets names the ragged grid to run."""
         zero_fill = self.zero_fill(ragged=ragged)
         attributes = {name: _ATTRIBUTE_TYPES[_FIELD_TYPES[name]](getattr(self, name))
                       for name in _OWN_ATTRIBUTES}
@@ -167,7 +168,8 @@ class CallSpec:
             max_document_length_kv=np.int64(max_document_length[1]), paged=self.paged,
             fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
-            poison_rows=bool(poison_rows), segment_mask=bool(self.segments) and not ragged)
+            poison_rows=bool(poison_rows), segment_mask=bool(self.segments) and not ragged,
+            device_grid=bool(device_grid))
         return attributes
 
 

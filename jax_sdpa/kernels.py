@@ -14,7 +14,7 @@ when the caller states the documents' bound, one ragged grid with no switch.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -152,14 +152,18 @@ def ragged_grids(batch, max_segments, q_seq_len, kv_seq_len):
     return sorted(grids, key=lambda grid: (grid[0] * grid[1][0], grid[0]))
 
 
-def _branch(docs, grids):
-    """Which lax.switch branch runs: the first grid every document fits, or len(grids) (the
-    exact fallback) when the table cannot express the ids."""
+def _chosen_grid(docs, grids):
+    """(int32 [3]: the first grid every document fits, as (entries, queries, keys); bool: the
+    table cannot express the ids, and the exact fallback runs instead)."""
     count = packing.count_documents(docs)
     longest_q, longest_kv = jnp.max(docs.q_len), jnp.max(docs.kv_len)
     fits = jnp.stack([(count <= n) & (longest_q <= q) & (longest_kv <= kv)
                       for n, (q, kv) in grids])
-    return jnp.where(docs.ok, jnp.argmax(fits), len(grids))
+    first = jnp.argmax(fits)
+    # From Python's numbers alone (no array constant: custom_partitioning traces this).
+    grid = [sum(jnp.where(first == i, numbers[axis], 0) for i, numbers in enumerate(
+        (n, q, kv) for n, (q, kv) in grids)) for axis in range(3)]
+    return jnp.stack(grid).astype(jnp.int32), ~docs.ok
 
 
 def _uniform_rows(config, inputs, docs, rows_kept):
@@ -214,56 +218,47 @@ def _stated_documents(config, docs):
                          kv_len=jnp.minimum(docs.kv_len, bound_kv)), broken
 
 
-# A checked call (no statement) is a lax.switch over its grids and the exact fallback. What
-# every ragged branch shares is computed once, outside the switch: the document table, its
-# operands for the most entries (a grid of fewer entries reads their first rows: documents are
-# compacted to the front), the empty rows' fill and the token-major lse. A ragged branch is
-# then one custom call, which XLA compiles in no time, and whose graph is built when it first
-# runs: the workspace is sized once, from the largest grid's graph.
+# A checked call (no statement) is a lax.cond between one ragged call and the exact fallback.
+# The ragged call's grid is chosen on the device (_chosen_grid) and read by its handler, which
+# builds each grid's graph when it first runs: XLA compiles one custom call, not one per grid,
+# and the workspace is sized once, from the largest grid's graph. The operands are the
+# document table's for the most entries: a grid of fewer entries reads their first rows
+# (documents are compacted to the front). The cond's predicate is copied to the host, and the
+# handler's grid after it: a checked call waits for the GPU twice (a stated bound, neither).
 class _CheckedGrids:
     def __init__(self, config, inputs, docs):
         query, key = inputs["query"], inputs["key"]
-        self.grids = ragged_grids(query.shape[0], config.max_segments, query.shape[1],
-                                  key.shape[1])
-        self.index = _branch(docs, self.grids)
-        largest = max(entries for entries, _ in self.grids)
-        q_lengths, kv_lengths, offsets = _ragged_operands(inputs, docs, largest)
-        self.operands = {entries: (q_lengths[..., :entries], kv_lengths[..., :entries], offsets)
-                         for entries in {entries for entries, _ in self.grids}}
-        self.workspace_for = (self.operands[largest], (query.shape[1], key.shape[1]))
+        grids = ragged_grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
+        self.grid, self.fallback = _chosen_grid(docs, grids)
+        self.operands = _ragged_operands(inputs, docs, max(entries for entries, _ in grids))
+        self.workspace_for = (self.operands, (0, 0))
         self.config = config
 
+    def _ragged(self, call, *args):
+        # The handler waits for the grid's numbers, which nothing recorded may do.
+        config = dataclasses.replace(self.config, command_buffer=False)
+        return call(*args, config, self.operands, workspace_for=self.workspace_for,
+                    grid=self.grid)
+
     def forward(self, inputs):
-        """(output, token-major lse) of the grid the documents fit, or of the fallback."""
-        config = self.config
-
-        def ragged(grid, inputs):
-            entries, bound = grid
-            return _ffi.sdpa_forward(inputs, config, self.operands[entries],
-                                     max_document_length=bound,
-                                     workspace_for=self.workspace_for)
-
+        """(output, token-major lse) of the documents' grid, or of the fallback."""
         def exact(inputs):
-            output, lse = packed_fallback.forward(config, inputs)
+            output, lse = packed_fallback.forward(self.config, inputs)
             return output, jnp.swapaxes(lse, 1, 2)
-        branches = [functools.partial(ragged, grid) for grid in self.grids]
-        return jax.lax.switch(self.index, branches + [exact], inputs)
+        return jax.lax.cond(self.fallback, exact,
+                            lambda inputs: self._ragged(_ffi.sdpa_forward, inputs), inputs)
 
     def backward(self, inputs, output, lse, d_output, cleared):
-        """(dq, dk, dv) of the grid the documents fit (given the token-major lse and d_output
-        cleared of the filled rows), or of the fallback (given them as they came)."""
-        config, lse_tokens = self.config, jnp.swapaxes(lse, 1, 2)
+        """(dq, dk, dv) of the documents' grid (given the token-major lse and d_output cleared
+        of the filled rows), or of the fallback (given them as they came)."""
+        lse_tokens = jnp.swapaxes(lse, 1, 2)
 
-        def ragged(grid, inputs):
-            entries, bound = grid
-            return _ffi.sdpa_backward(inputs, output, lse_tokens, cleared, config,
-                                      self.operands[entries], max_document_length=bound,
-                                      workspace_for=self.workspace_for)[:3]
+        def ragged(inputs):
+            return self._ragged(_ffi.sdpa_backward, inputs, output, lse_tokens, cleared)[:3]
 
         def exact(inputs):
-            return packed_fallback.backward(config, inputs, output, lse, d_output)[:3]
-        branches = [functools.partial(ragged, grid) for grid in self.grids]
-        return jax.lax.switch(self.index, branches + [exact], inputs)
+            return packed_fallback.backward(self.config, inputs, output, lse, d_output)[:3]
+        return jax.lax.cond(self.fallback, exact, ragged, inputs)
 
 
 def _fallback_rows(docs):

@@ -36,8 +36,8 @@ def _ragged_scores(query, key, config, ragged_operands, max_document_length):
     document, as the ragged operands lay them out."""
     q_lengths, kv_lengths, offsets = ragged_operands
     bound_q, bound_kv = max_document_length  # cuDNN would read past a document longer than these
-    too_long = (jnp.max(q_lengths) > (bound_q or query.shape[1])) | (
-        jnp.max(kv_lengths) > (bound_kv or key.shape[1]))
+    too_long = (jnp.max(q_lengths) > jnp.where(bound_q > 0, bound_q, query.shape[1])) | (
+        jnp.max(kv_lengths) > jnp.where(bound_kv > 0, bound_kv, key.shape[1]))
     batch, q_seq_len, q_heads, head_dim = query.shape
     _, kv_seq_len, kv_heads, _ = key.shape
     documents = q_lengths.shape[0]
@@ -169,8 +169,20 @@ def _segment_masked_forward(config, inputs):
     return out, lse
 
 
+def _gridded(ragged_operands, max_document_length, grid):
+    """The operands and bounds a device-chosen grid runs, as the handler reads them: the first
+    grid[0] documents (the others unseen: their lengths zero) with bounds grid[1], grid[2]."""
+    if grid is None:
+        return ragged_operands, max_document_length
+    q_lengths, kv_lengths, offsets = ragged_operands
+    seen = jnp.arange(q_lengths.shape[0]) < grid[0]
+    return ((jnp.where(seen, q_lengths, 0), jnp.where(seen, kv_lengths, 0), offsets),
+            (grid[1], grid[2]))
+
+
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, workspace_for=None):  # (no workspace here)
+                 poison_rows=None, workspace_for=None, grid=None):  # (no workspace here)
+    ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
     if ragged_operands is None:
         if config.segments:
             return _segment_masked_forward(config, inputs)
@@ -217,7 +229,8 @@ def _dense_backward(inputs, output, lse, d_output, config):
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None, workspace_for=None):
+                  max_document_length=(0, 0), poison_rows=None, workspace_for=None, grid=None):
+    ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
     if ragged_operands is None:
         return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
