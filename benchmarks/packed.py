@@ -17,9 +17,7 @@ in one process, interleaved rounds, a straight-line chain of CALLS calls inside 
 - jax.nn cudnn with the equivalent dense [B, 1, T, S] mask;
 - varlen_attention stated: jax_sdpa.varlen_attention on [total_tokens, N, H] with cumulative
   lengths and max_seqlen_q the longest document (flash-attn's varlen convention);
-- flash-attn3-jax flash_mha_varlen on the same arrays, if installed;
-- ragged cmdbuf, only when named (--impl): the checked call on our command-buffer targets,
-  to run under XLA_FLAGS that record conditionals into command buffers.
+- flash-attn3-jax flash_mha_varlen on the same arrays, if installed.
 Plus XLA's compiled temporary memory of the fwd+bwd step (ragged, dense ids) at the long config.
 Writes packed.md and packed.json.
 """
@@ -40,7 +38,6 @@ import numpy as np
 import jax_sdpa
 from benchmarks.report import benchmark_parser, cell, machine_line, write_markdown
 from benchmarks.attention import CALLS, interleaved_rounds, relative_error
-from benchmarks.implementations import in_command_buffer_mode
 
 N_HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
 
@@ -95,9 +92,6 @@ def make_inputs(config, seed):
                   for j in range(4)) for i in range(CALLS)]
 
 
-OPT_IN = ("ragged cmdbuf",)  # run only when --impl names them
-
-
 def implementations(config, tight=True):
     """{name: f(q, k, v) -> output [B, T, N, H]}."""
     with_tight = tight
@@ -106,9 +100,6 @@ def implementations(config, tight=True):
         "ragged": lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn"),
     }
-    # Every call on our command-buffer targets: with XLA's CONDITIONAL command buffers on, the
-    # checked call's lax.switch may run on the device, without its index's copy to the host.
-    found["ragged cmdbuf"] = in_command_buffer_mode(found["ragged"], "1")
     tight = config.documents()
     if with_tight and tight != jax_sdpa.validation.DEFAULT_MAX_SEGMENTS:
         found[f"ragged M={tight}"] = lambda q, k, v: jax_sdpa.dot_product_attention(
@@ -136,7 +127,7 @@ def implementations(config, tight=True):
 
 def stated(config, ids):
     """The ragged call with the documents' bound stated: max_document_length the longest
-    document, max_segments the rows' own count (one plan, no switch, nothing checked)."""
+    document, max_segments the rows' own count (one plan, no cond, nothing checked)."""
     return lambda q, k, v: jax_sdpa.dot_product_attention(
         q, k, v, is_causal=True, query_segment_ids=ids, max_segments=config.documents(),
         max_document_length=config.longest(), implementation="cudnn")
@@ -207,8 +198,7 @@ def timed_functions(attention):
 def bench(config, rounds, tight=True, only=()):
     inputs = make_inputs(config, seed=0)
     chosen = {name: attention for name, attention in implementations(config, tight).items()
-              if name in only or name == "per-document bound" or
-              (not only and name not in OPT_IN)}
+              if not only or name in only or name == "per-document bound"}
     jitted = {(name, mode): fn for name, attention in chosen.items()
               for mode, fn in timed_functions(attention).items()}
     first, fns = {}, {}

@@ -4,15 +4,16 @@
                                         [--no-listing] [--parts]
 
 Compiles one fwd+bwd step (benchmarks/packed.py's 8x1024 config, one call) of each way the
-public API runs packed documents: the checked call (segment ids alone: a lax.switch over its
-ragged grids and the exact fallback), the call with the documents' bound stated
-(max_document_length: one grid, no switch), varlen_attention with it, the per-document bound
-(the documents as batch entries), and the dense call for scale; trace+lower and XLA compile
-seconds each. With --parts, the checked call again with parts of its program taken out (its
-fallback branch returning zeros, its grids cut to the one that covers every case): not
-results, a measure of what each part costs to compile. With --time, times those fwd+bwd
-chains in interleaved rounds against the per-document bound. With --trace, writes a
-jax.profiler trace (Perfetto JSON) of each to DIR and prints the GPU time per kernel name.
+public API runs packed documents: the checked call (segment ids alone: a lax.cond between one
+ragged call, whose grid the device picks, and the exact fallback), the call with the
+documents' bound stated (max_document_length: one grid, no cond), varlen_attention with it,
+the per-document bound (the documents as batch entries), and the dense call for scale;
+trace+lower and XLA compile seconds each. With --parts, the checked call again with parts of
+its program taken out (its fallback branch returning zeros, its grids cut to the one that
+covers every case): not results, a measure of what each part costs to compile. With --time,
+times those fwd+bwd chains in interleaved rounds against the per-document bound. With
+--trace, writes a jax.profiler trace (Perfetto JSON) of each to DIR and prints the GPU time
+per kernel name.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@
 
 inputs: the config's arrays by name (call_spec.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
-device, and a lax.switch runs cuDNN's ragged layout (sized to the longest document) where the
-table can express the ids, else the exact fallback (packed_fallback.py: one dense cuDNN call
-masking the ids inside its kernel; no [T, S] array anywhere); or,
-when the caller states the documents' bound, one ragged grid with no switch.
+device, and a lax.cond runs cuDNN's ragged layout (on the grid the documents fit, chosen on
+the device) where the table can express the ids, else the exact fallback (packed_fallback.py:
+one dense cuDNN call masking the ids inside its kernel; no [T, S] array anywhere); or, when
+the caller states the documents' bound, one ragged grid with no cond.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def _add_value_gradient(dv, extra):
 
 
 # A caller who states the documents' bound (max_document_length) gets one ragged grid and no
-# lax.switch: the switch's index is copied to the host, which waits for the GPU's queue to
-# drain, and the GPU idles while the branch launches.
+# check: a checked call's cond predicate and grid are copied to the host, which waits for the
+# GPU's queue to drain, and the GPU idles while the call launches.
 def _stated_grid(inputs, config):
     return inputs["query"].shape[0] * config.max_segments, config.max_document_length
 

@@ -126,30 +126,6 @@ def test_packed_markdown_has_a_row_per_result():
     assert "| long | ragged | 0.300 |" in table
 
 
-def test_packed_command_buffer_column_runs_when_named_and_on_its_targets(monkeypatch):
-    """'ragged cmdbuf' is opt-in (each checked call is seconds of compile), and its calls are
-    our command-buffer targets while the default column's are the plain ones."""
-    import re  # noqa: PLC0415
-
-    import jax  # noqa: PLC0415
-
-    from benchmarks import packed  # noqa: PLC0415
-    from jax_sdpa import planning  # noqa: PLC0415
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
-    config = packed.configs()[0]
-    assert "ragged cmdbuf" in packed.OPT_IN
-    found = packed.implementations(config)
-    shape = jax.ShapeDtypeStruct((config.batch, config.seq, packed.N_HEADS, packed.HEAD_DIM),
-                                 packed.DTYPE)
-
-    def targets(name):
-        text = jax.jit(found[name]).trace(shape, shape, shape).lower(
-            lowering_platforms=("cuda",)).as_text()
-        return set(re.findall(r"custom_call @(jax_sdpa\w+)", text))
-    assert targets("ragged cmdbuf") == {"jax_sdpa_forward_cmdbuf"}
-    assert targets("ragged") == {"jax_sdpa_forward"}
-
-
 def test_clock_windows_take_the_samples_of_their_call_and_the_one_just_before():
     from benchmarks.clocks import summary, window
     samples = [(0.98, 1980.0, 120.0), (1.00, 1900.0, 500.0), (1.02, 1700.0, 690.0),

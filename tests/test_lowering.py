@@ -224,6 +224,33 @@ def test_command_buffer_targets_follow_the_variable(monkeypatch):
         custom_calls(grad(), small, small, small)
 
 
+def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
+    """A checked packed call lowers to one ragged forward and one ragged backward, each with
+    the device's grid as an int32 [3] operand (device_grid), on the plain targets even while
+    every other call is recorded (its handler waits for the grid, which a command buffer cannot
+    do); the stated bound has no grid operand."""
+    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 64)[None].repeat(2, axis=0)
+
+    def lowered(**kwargs):
+        grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, is_causal=True, query_segment_ids=ids, implementation="cudnn",
+            **kwargs).astype(jnp.float32).sum())
+        return jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered()
+    ragged = [line for line in text.splitlines()
+              if "custom_call @jax_sdpa" in line and "ragged = true" in line]
+    assert len(ragged) == 2
+    for line in ragged:
+        assert "device_grid = true" in line and "_cmdbuf" not in line
+        assert re.search(r"tensor<3xi32>", line.split("->")[0])
+    assert "stablehlo.case" in text or "stablehlo.if" in text
+    stated = lowered(max_segments=4, max_document_length=64)
+    assert "device_grid = true" not in stated and "device_grid = false" in stated
+
+
 @pytest.mark.parametrize("transform", ["plain", "vmap"])
 def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
     """paged_attention's cuDNN path: our forward target with paged = true and exactly the
