@@ -155,15 +155,13 @@ def ragged_grids(batch, max_segments, q_seq_len, kv_seq_len):
 def _chosen_grid(docs, grids):
     """(int32 [3]: the first grid every document fits, as (entries, queries, keys); bool: the
     table cannot express the ids, and the exact fallback runs instead)."""
-    count = packing.count_documents(docs)
-    longest_q, longest_kv = jnp.max(docs.q_len), jnp.max(docs.kv_len)
-    fits = jnp.stack([(count <= n) & (longest_q <= q) & (longest_kv <= kv)
-                      for n, (q, kv) in grids])
-    first = jnp.argmax(fits)
-    # From Python's numbers alone (no array constant: custom_partitioning traces this).
-    grid = [sum(jnp.where(first == i, numbers[axis], 0) for i, numbers in enumerate(
-        (n, q, kv) for n, (q, kv) in grids)) for axis in range(3)]
-    return jnp.stack(grid).astype(jnp.int32), ~docs.ok
+    # The table from Python's numbers as traced scalars: custom_partitioning allows no array
+    # constant in what it traces.
+    table = jnp.stack([jnp.stack([jnp.full((), number, jnp.int32) for number in (n, q, kv)])
+                       for n, (q, kv) in grids])
+    fits = ((packing.count_documents(docs) <= table[:, 0]) &
+            (jnp.max(docs.q_len) <= table[:, 1]) & (jnp.max(docs.kv_len) <= table[:, 2]))
+    return table[jnp.argmax(fits)], ~docs.ok
 
 
 def _uniform_rows(config, inputs, docs, rows_kept):
