@@ -28,7 +28,8 @@
   SEP() X(bool, zero_tails, false)    /* int32 [rows, 2] operand: tokens past them become 0 */  \
   SEP() X(bool, command_buffer, false) /* recorded into command buffers: see PrepareCall */     \
   SEP() X(bool, workspace_result, false) /* the last result is the call's cuDNN workspace */ \
-  SEP() X(bool, device_grid, false) /* ragged: int32 [3] operand, the grid: see ReadGrid */
+  SEP() X(bool, device_grid, false) /* ragged: int32 [3] operand, the grid: see ReadGrid */    \
+  SEP() X(bool, fallback_ids, false) /* device grid: [B, T], [B, S] ids; 0 documents: masked */
 
 #define JAX_SDPA_ATTRIBUTES(X, SEP) \
   JAX_SDPA_GRAPH_ATTRIBUTES(X, SEP) SEP() JAX_SDPA_CALL_ATTRIBUTES(X, SEP)

@@ -138,9 +138,11 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Opera
       }
     }
   }
-  if (c.segment_mask) {
-    if (c.ragged || c.page_size > 0) {
-      return Failure{InvalidArgument("segment ids mask a dense call only")};
+  if (c.segment_mask || attributes.fallback_ids) {
+    if (c.segment_mask == c.ragged || c.page_size > 0 ||
+        (attributes.fallback_ids && (c.segment_mask || !optional.grid))) {
+      return Failure{InvalidArgument("segment ids mask a dense call, or a ragged call's "
+                                     "fallback on a device grid")};
     }
     for (auto [ids, seq_len] : {std::pair{&*optional.q_segment_ids, c.q_seq_len},
                                 std::pair{&*optional.kv_segment_ids, c.kv_seq_len}}) {
@@ -187,6 +189,16 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Opera
                                     attributes.fp8_gradients != 0);
   plan.repeats = per_slice ? vmapped : 1;
   int64_t folded_batch = per_slice ? batch : vmapped * batch;
+  if (attributes.fallback_ids) {
+    // The rows as one dense call, no lengths: Python sends fallback ids only for rows that
+    // are wholly their documents (self-attention without lengths).
+    SdpaConfig& dense = plan.fallback.emplace(c);
+    dense.batch = folded_batch;
+    dense.ragged = false;
+    dense.padding = false;
+    dense.segment_mask = true;
+    dense.stats_token_major = true;
+  }
   if (c.ragged) {
     c.batch = entries;
     c.total_q_tokens = folded_batch * c.q_seq_len;
@@ -335,20 +347,27 @@ std::vector<int64_t> StatsDims(const Operand& q, const SdpaConfig& c) {
   size_t rank = dims.size();
   int64_t seq = dims[rank - 3], heads = dims[rank - 2];
   dims.pop_back();
-  dims[rank - 3] = c.ragged ? seq : heads;
-  dims[rank - 2] = c.ragged ? heads : seq;
+  bool token_major = c.ragged || c.stats_token_major;
+  dims[rank - 3] = token_major ? seq : heads;
+  dims[rank - 2] = token_major ? heads : seq;
   return dims;
 }
 
 ffi::Error ApplyGrid(const std::vector<int32_t>& grid, CallPlan& plan) {
   SdpaConfig& c = plan.config;
   int32_t entries = 0, queries = 0, keys = 0;
+  bool fallback = false;
   for (size_t i = 0; i + 2 < grid.size(); i += 3) {  // vmapped slices: a grid every one fits
+    fallback |= grid[i] == 0;
     entries = std::max(entries, grid[i]);
     queries = std::max(queries, grid[i + 1]);
     keys = std::max(keys, grid[i + 2]);
   }
-  if (entries < 1 || entries > c.batch || queries < 1 || queries > c.q_seq_len || keys < 1 ||
+  if (fallback && plan.fallback) {
+    c = *plan.fallback;
+    return ffi::Error::Success();
+  }
+  if (fallback || entries < 1 || entries > c.batch || queries < 1 || queries > c.q_seq_len || keys < 1 ||
       keys > c.kv_seq_len) {
     return Failure{InvalidArgument(
         "the device grid (" + std::to_string(entries) + " documents of up to " +

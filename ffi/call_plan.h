@@ -31,6 +31,9 @@ struct CallPlan {
   int64_t repeats = 1;
   int64_t offsets_row = 0;  // ragged: elements per row of the offsets operand
   OptionalInputs optional;
+  // A ragged call with fallback_ids: the dense call over its rows masking the segment ids
+  // (stats token-major, as the ragged layout's), which a device grid of 0 documents runs.
+  std::optional<SdpaConfig> fallback;
 };
 
 // Reads the optional operands from `count` operands, `get(i)` returning the i-th (an
@@ -41,7 +44,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
                                                 const CallAttributes& attributes) {
   bool has_dropout = attributes.dropout > 0;
   size_t expected = (attributes.has_bias ? 1 : 0) + (attributes.padding ? 2 : 0) +
-                    (attributes.segment_mask ? 2 : 0) +
+                    (attributes.segment_mask || attributes.fallback_ids ? 2 : 0) +
                     (attributes.ragged ? 1 : 0) + (attributes.device_grid ? 1 : 0) +
                     (attributes.paged ? 1 : 0) +
                     (has_dropout ? 1 : 0) + (attributes.poison_rows ? 1 : 0) +
@@ -63,7 +66,7 @@ ffi::ErrorOr<OptionalInputs> ReadOptionalInputs(size_t count, Get get,
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_lengths));
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_lengths));
   }
-  if (attributes.segment_mask) {
+  if (attributes.segment_mask || attributes.fallback_ids) {
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.q_segment_ids));
     JAX_SDPA_RETURN_IF_ERROR(next(&inputs.kv_segment_ids));
   }
@@ -87,13 +90,15 @@ ffi::ErrorOr<CallPlan> PlanAnyCall(Direction direction, int32_t device, const Op
 
 // A ragged call's grid chosen on the device (the `grid` operand, copied to the host: int32
 // (documents, longest queries, longest keys) per vmapped slice): the plan's config runs the
-// first documents of its operands with those bounds, or an error if they exceed the plan's.
+// first documents of its operands with those bounds, or an error if they exceed the plan's;
+// 0 documents in any slice runs the plan's fallback (the ids the table cannot express).
 ffi::Error ApplyGrid(const std::vector<int32_t>& grid, CallPlan& plan);
 
 // The output (and its cotangent): the query's shape with the value's head_dim.
 std::vector<int64_t> OutputDims(const Operand& q, const SdpaConfig& c);
 
-// Stats: [..., batch, q_heads, q_seq], or token-major [..., batch, q_seq, q_heads] (ragged).
+// Stats: [..., batch, q_heads, q_seq], or token-major [..., batch, q_seq, q_heads] (ragged,
+// and a ragged call's fallback).
 std::vector<int64_t> StatsDims(const Operand& q, const SdpaConfig& c);
 
 // The buffer has exactly this dtype and these dims, or an error naming it.

@@ -27,7 +27,7 @@ auto Fields(const SdpaConfig& c) {
                          c.kv_seq_len, c.q_heads, c.kv_heads, c.head_dim, c.head_dim_v,
                          JAX_SDPA_GRAPH_ATTRIBUTES(JAX_SDPA_KEY_VALUE, JAX_SDPA_COMMA),
                          c.total_q_tokens, c.total_kv_tokens, c.page_size, c.num_pages,
-                         c.bias_batch, c.bias_heads, c.bias_grad);
+                         c.bias_batch, c.bias_heads, c.bias_grad, c.stats_token_major);
 #undef JAX_SDPA_KEY_VALUE
 }
 
@@ -76,6 +76,7 @@ std::string SdpaConfig::ToString() const {
     out << ", bias=[" << bias_batch << ", " << bias_heads << ", " << q_seq_len << ", "
         << kv_seq_len << "]" << (bias_grad ? " with dbias" : "");
   }
+  if (stats_token_major) out << ", stats token-major";
   out << "}";
   return out.str();
 }

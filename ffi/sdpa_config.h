@@ -71,6 +71,9 @@ struct SdpaConfig {
   int64_t bias_batch = 0;   // bias [bias_batch, bias_heads, q_seq, kv_seq]; 0: no bias
   int64_t bias_heads = 0;   // 1 or q_heads
   bool bias_grad = false;   // backward also produces dbias, shaped like the bias
+  // A dense call's stats token-major ([batch, q_seq, q_heads] in memory), as the ragged
+  // layout's always are: a ragged call's fallback writes the same buffer (call_plan.h).
+  bool stats_token_major = false;
 
   bool operator==(const SdpaConfig& other) const;
   std::string ToString() const;

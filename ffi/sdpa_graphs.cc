@@ -78,13 +78,15 @@ void SetBshdOutput(const TensorPtr& tensor, int64_t uid, const SdpaConfig& c, Bs
 }
 
 // Stats: float32 [batch, heads, q_seq, 1]. Dense: contiguous, JAX sees [batch, heads, q_seq].
-// Ragged: token-major ([total_q_tokens, heads] in memory), each document at its offset.
+// Ragged: token-major ([total_q_tokens, heads] in memory), each document at its offset; a
+// dense call's token-major stats alike, [batch, q_seq, heads].
 void SetStatsLayout(fe::graph::Tensor_attributes& stats, const SdpaConfig& c,
                     const TensorPtr& ragged_offsets) {
   stats.set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim(
       {c.batch, c.q_heads, c.q_seq_len, 1});
-  if (c.ragged) {
-    stats.set_stride({c.q_seq_len * c.q_heads, 1, c.q_heads, 1}).set_ragged_offset(ragged_offsets);
+  if (c.ragged || c.stats_token_major) {
+    stats.set_stride({c.q_seq_len * c.q_heads, 1, c.q_heads, 1});
+    if (c.ragged) stats.set_ragged_offset(ragged_offsets);
   } else {
     stats.set_stride({c.q_heads * c.q_seq_len, c.q_seq_len, 1, 1});
   }

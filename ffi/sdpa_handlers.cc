@@ -109,8 +109,8 @@ ffi::ErrorOr<std::optional<ffi::AnyBuffer>> GivenWorkspace(ffi::RemainingRets& e
 }
 
 // A ragged call whose grid the device chose (device_grid): its numbers copied to the host,
-// which waits for the stream, then the plan's config made that grid's. Such a call cannot be
-// recorded into a command buffer, where nothing may wait.
+// which waits for the stream, then the plan's config made that grid's (or its fallback's,
+// ApplyGrid). Such a call cannot be recorded into a command buffer, where nothing may wait.
 ffi::Error ReadGrid(cudaStream_t stream, const CallAttributes& attributes, CallPlan& plan) {
   if (!plan.optional.grid) return ffi::Error::Success();
   if (attributes.command_buffer) {

@@ -21,22 +21,28 @@ def _tails(inputs):
                       jnp.where(q_lengths > 0, kv_lengths, 0)], axis=-1).astype(jnp.int32)
 
 
+def _segment_ids(inputs):
+    return [inputs["q_segment_ids"].astype(jnp.int32),
+            inputs.get("kv_segment_ids", inputs["q_segment_ids"]).astype(jnp.int32)]
+
+
 def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=None,
-                       grid=None):
+                       grid=None, fallback_ids=False):
     """The FFI's optional operands, in its order: [bias], [q_lengths, kv_lengths] (per document
-    when ragged), [q_segment_ids, kv_segment_ids] (a dense call's segment mask), [offsets],
-    [grid], [dropout_seed], [poison_rows], [tails], [fp8_scales]."""
+    when ragged), [q_segment_ids, kv_segment_ids] (a dense call's segment mask, or a ragged
+    call's fallback), [offsets], [grid], [dropout_seed], [poison_rows], [tails],
+    [fp8_scales]."""
     operands = [inputs["bias"]] if config.has_bias else []
     if ragged_operands is not None:
-        operands += list(ragged_operands)
+        *lengths, offsets = ragged_operands
+        operands += [*lengths, *(_segment_ids(inputs) if fallback_ids else ()), offsets]
         if grid is not None:
             operands.append(grid)
     else:
         if config.has_lengths:
             operands += [inputs["q_lengths"], inputs["kv_lengths"]]
         if config.segments:
-            operands += [inputs["q_segment_ids"].astype(jnp.int32),
-                         inputs.get("kv_segment_ids", inputs["q_segment_ids"]).astype(jnp.int32)]
+            operands += _segment_ids(inputs)
     if config.has_seed:
         operands.append(inputs["dropout_seed"])
     if poison_rows is not None:
@@ -49,14 +55,16 @@ def _optional_operands(inputs, ragged_operands, config, poison_rows, fp8_scales=
 
 
 def _described(inputs, config, leading, ragged_operands, max_document_length, *, poison_rows,
-               fp8_scales, grid=None):
+               fp8_scales, grid=None, fallback_ids=False):
     """(operands, attributes) of a call: the leading operands, then the optional ones."""
+    fallback_ids = fallback_ids and grid is not None
     operands = (*leading, *_optional_operands(inputs, ragged_operands, config, poison_rows,
-                                              fp8_scales, grid))
+                                              fp8_scales, grid, fallback_ids))
     return operands, config.ffi_attributes(ragged=ragged_operands is not None,
                                            max_document_length=max_document_length,
                                            poison_rows=poison_rows is not None,
-                                           device_grid=grid is not None)
+                                           device_grid=grid is not None,
+                                           fallback_ids=fallback_ids)
 
 
 # An FP8 call's amaxes (ffi/call_plan.h): rows of 4 floats, 2 forward, 4 backward.
@@ -125,7 +133,8 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
 
 
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, fp8_scales=None, workspace_for=None, grid=None):
+                 poison_rows=None, fp8_scales=None, workspace_for=None, grid=None,
+                 fallback_ids=False):
     """cuDNN forward: (output [batch..., T, N, Hv], lse float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
 
@@ -140,6 +149,9 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     scratch memory, and no graph built while tracing. grid: None; or int32 [3], the ragged
     grid (entries, queries, keys) chosen on the device, within ragged_operands and
     max_document_length: the handler reads it (waiting for the GPU) and runs that grid.
+    fallback_ids: with a grid, the call takes the segment ids too, and a grid of 0 documents
+    runs the dense call over the rows masking them (self-attention without lengths: rows the
+    document table cannot express), the lse token-major all the same.
     """
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -153,7 +165,8 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     )
     described = functools.partial(_described, inputs, config, (query, key, value),
                                   poison_rows=poison_rows, fp8_scales=fp8_scales)
-    operands, attributes = described(ragged_operands, max_document_length, grid=grid)
+    operands, attributes = described(ragged_operands, max_document_length, grid=grid,
+                                     fallback_ids=fallback_ids)
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
@@ -162,11 +175,11 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
                   max_document_length=(0, 0), poison_rows=None, fp8_scales=None,
-                  workspace_for=None, grid=None):
+                  workspace_for=None, grid=None, fallback_ids=False):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
     as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
     in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow.
-    workspace_for, grid: as sdpa_forward's."""
+    workspace_for, grid, fallback_ids: as sdpa_forward's."""
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     gradient_dtype = lambda x: d_output.dtype if fp8_scales is not None else x.dtype  # noqa
@@ -180,7 +193,8 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     described = functools.partial(_described, inputs, config,
                                   (query, key, value, output, lse, d_output),
                                   poison_rows=poison_rows, fp8_scales=fp8_scales)
-    operands, attributes = described(ragged_operands, max_document_length, grid=grid)
+    operands, attributes = described(ragged_operands, max_document_length, grid=grid,
+                                     fallback_ids=fallback_ids)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
                                    "broadcast_all", workspace_for and described(*workspace_for))
     amaxes = (results[-1],) if fp8_scales is not None else ()

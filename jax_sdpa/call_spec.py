@@ -151,13 +151,16 @@ class CallSpec:
         return "tails" if self.window_left < 0 and not self.bottom_right else "all"
 
     def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
-                       poison_rows: bool = False, device_grid: bool = False) -> dict:
+                       poison_rows: bool = False, device_grid: bool = False,
+                       fallback_ids: bool = False) -> dict:
         """The attributes of our FFI forward/backward call (ffi/attribute_list.h), all but
         command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call. ragged: the
         call runs packed documents (lengths per document, offsets); max_document_length:
         (queries, keys) no document is longer than, 0 for the rows' lengths; poison_rows: an int32
         [B] operand names rows whose first token of every result the handler sets to NaN;
-        device_grid: an int32 [3] operand after the offsets names the ragged grid to run."""
+        device_grid: an int32 [3] operand after the offsets names the ragged grid to run;
+        fallback_ids: the segment ids come before the offsets, and a grid of 0 documents runs
+        the dense call masking them instead (ffi/call_plan.h)."""
         zero_fill = self.zero_fill(ragged=ragged)
         attributes = {name: _ATTRIBUTE_TYPES[_FIELD_TYPES[name]](getattr(self, name))
                       for name in _OWN_ATTRIBUTES}
@@ -169,7 +172,7 @@ class CallSpec:
             fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
             zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
             poison_rows=bool(poison_rows), segment_mask=bool(self.segments) and not ragged,
-            device_grid=bool(device_grid))
+            device_grid=bool(device_grid), fallback_ids=bool(fallback_ids))
         return attributes
 
 

@@ -6,10 +6,10 @@
 
 inputs: the config's arrays by name (call_spec.INPUTS). This is what the sharding rules run
 per device. Packed segment ids on cuDNN live here too: the document table is built on the
-device, and a lax.cond runs cuDNN's ragged layout (on the grid the documents fit, chosen on
-the device) where the table can express the ids, else the exact fallback (packed_fallback.py:
-one dense cuDNN call masking the ids inside its kernel; no [T, S] array anywhere); or, when
-the caller states the documents' bound, one ragged grid with no cond.
+device, and cuDNN's ragged layout runs (on the grid the documents fit, chosen on the device)
+where the table can express the ids, else the exact fallback (packed_fallback.py: one dense
+cuDNN call masking the ids inside its kernel; no [T, S] array anywhere); or, when the caller
+states the documents' bound, one ragged grid and no check.
 """
 
 from __future__ import annotations
@@ -216,13 +216,16 @@ def _stated_documents(config, docs):
                          kv_len=jnp.minimum(docs.kv_len, bound_kv)), broken
 
 
-# A checked call (no statement) is a lax.cond between one ragged call and the exact fallback.
-# The ragged call's grid is chosen on the device (_chosen_grid) and read by its handler, which
-# builds each grid's graph when it first runs: XLA compiles one custom call, not one per grid,
-# and the workspace is sized once, from the largest grid's graph. The operands are the
-# document table's for the most entries: a grid of fewer entries reads their first rows
-# (documents are compacted to the front). The cond's predicate is copied to the host, and the
-# handler's grid after it: a checked call waits for the GPU twice (a stated bound, neither).
+# A checked call (no statement) runs one ragged call on the grid its documents fit, chosen on
+# the device (_chosen_grid) and read by its handler, which builds each grid's graph when it
+# first runs: XLA compiles one custom call, not one per grid, and the workspace is sized once,
+# from the largest grid's graph. The operands are the document table's for the most entries: a
+# grid of fewer entries reads their first rows (documents are compacted to the front). Where
+# the table cannot express the ids, the exact fallback runs instead: for rows that are wholly
+# their documents (self-attention without lengths) it is one dense cuDNN call the ragged call's
+# handler runs itself on a grid of 0 documents (the ids go with it), so the call waits for the
+# GPU once, for the grid; otherwise a lax.cond chooses, its predicate a second wait (a stated
+# bound, none).
 class _CheckedGrids:
     def __init__(self, config, inputs, docs):
         query, key = inputs["query"], inputs["key"]
@@ -231,15 +234,22 @@ class _CheckedGrids:
         self.operands = _ragged_operands(inputs, docs, max(entries for entries, _ in grids))
         self.workspace_for = (self.operands, (0, 0))
         self.config = config
+        # packed_fallback's rows that see no key or lie past the lengths: none here.
+        self.in_handler = config.segments == "self" and not config.has_lengths
+        if self.in_handler:
+            self.grid = self.grid.at[0].set(jnp.where(self.fallback, 0, self.grid[0]))
 
     def _ragged(self, call, *args):
         # The handler waits for the grid's numbers, which nothing recorded may do.
         config = dataclasses.replace(self.config, command_buffer=False)
         return call(*args, config, self.operands, workspace_for=self.workspace_for,
-                    grid=self.grid)
+                    grid=self.grid, fallback_ids=self.in_handler)
 
     def forward(self, inputs):
         """(output, token-major lse) of the documents' grid, or of the fallback."""
+        if self.in_handler:
+            return self._ragged(_ffi.sdpa_forward, inputs)
+
         def exact(inputs):
             output, lse = packed_fallback.forward(self.config, inputs)
             return output, jnp.swapaxes(lse, 1, 2)
@@ -253,6 +263,8 @@ class _CheckedGrids:
 
         def ragged(inputs):
             return self._ragged(_ffi.sdpa_backward, inputs, output, lse_tokens, cleared)[:3]
+        if self.in_handler:
+            return ragged(inputs)
 
         def exact(inputs):
             return packed_fallback.backward(self.config, inputs, output, lse, d_output)[:3]

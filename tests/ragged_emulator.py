@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, reference_kernel
+from jax_sdpa import _ffi, packed_fallback, reference_kernel
 from jax_sdpa.reference import combined_mask, fold_heads, repeat_heads
 
 
@@ -180,8 +180,28 @@ def _gridded(ragged_operands, max_document_length, grid):
             (grid[1], grid[2]))
 
 
+def _or_fallback(grid, fallback_ids, ragged, dense):
+    """A ragged call with fallback ids: on a grid of 0 documents the handler runs the dense
+    call masking the ids (stats token-major), else the grid's ragged call."""
+    if not fallback_ids:
+        return ragged()
+    ragged_results, dense_results = ragged(), dense()
+    return jax.tree.map(lambda r, d: None if r is None else jnp.where(grid[0] == 0, d, r),
+                        ragged_results, dense_results, is_leaf=lambda x: x is None)
+
+
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, workspace_for=None, grid=None):  # (no workspace here)
+                 poison_rows=None, workspace_for=None, grid=None,
+                 fallback_ids=False):  # (no workspace here)
+    def dense():
+        out, lse = _segment_masked_forward(packed_fallback._masked_spec(config),
+                                           packed_fallback._masked_inputs(inputs))
+        return out, jnp.swapaxes(lse, 1, 2)
+    return _or_fallback(grid, fallback_ids, lambda: _ragged_forward(
+        inputs, config, ragged_operands, max_document_length, poison_rows, grid), dense)
+
+
+def _ragged_forward(inputs, config, ragged_operands, max_document_length, poison_rows, grid):
     ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
     if ragged_operands is None:
         if config.segments:
@@ -229,7 +249,19 @@ def _dense_backward(inputs, output, lse, d_output, config):
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None, workspace_for=None, grid=None):
+                  max_document_length=(0, 0), poison_rows=None, workspace_for=None, grid=None,
+                  fallback_ids=False):
+    def dense():
+        return _dense_backward(packed_fallback._masked_inputs(inputs), output,
+                               jnp.swapaxes(lse, 1, 2), d_output,
+                               packed_fallback._masked_spec(config))
+    return _or_fallback(grid, fallback_ids, lambda: _ragged_backward(
+        inputs, output, lse, d_output, config, ragged_operands, max_document_length,
+        poison_rows, grid), dense)
+
+
+def _ragged_backward(inputs, output, lse, d_output, config, ragged_operands,
+                     max_document_length, poison_rows, grid):
     ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
     if ragged_operands is None:
         return _dense_backward(inputs, output, lse, d_output, config)

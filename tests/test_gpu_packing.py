@@ -165,6 +165,27 @@ def test_non_contiguous_ids_take_the_exact_path():
           is_causal=True, max_segments=2)
 
 
+def test_vmapped_checked_call_with_one_slice_the_table_cannot_hold():
+    """vmap over two stacks of rows, one of contiguous documents and one reusing an id: the
+    handler runs the exact fallback for both (one call folds the slices), poisoned."""
+    rng = np.random.default_rng(11)
+    q, k, v, d_out = (x.reshape(2, 2, *x.shape[1:])
+                      for x in random_qkv(39, 4, 300, 300, 4, 2, 64, jnp.bfloat16))
+    ids = np.stack([np.array(packed_ids(rng, 2, 300, low=30, high=90)) for _ in range(2)])
+    ids[1, :, 200:240] = ids[1, :, :1]  # the second stack reuses each row's first id
+
+    def attention(implementation):
+        return jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=ids, implementation=implementation),
+            in_axes=(0, 0, 0, 0))
+    ids = jnp.asarray(ids)
+    ref = reference_gradients(lambda q, k, v: attention("xla")(q, k, v, ids), q, k, v, d_out)
+    with poison_outputs():
+        out, vjp = jax.vjp(jax.jit(lambda q, k, v: attention("cudnn")(q, k, v, ids)), q, k, v)
+        ours = (out, *vjp(d_out))
+    assert_close_to_reference(ours, ref, context="vmapped, one slice on the fallback")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["causal", "window_gqa", "key_lengths", "sinks", "large_ids"])
 def test_exact_fallback(case, dtype):

@@ -228,7 +228,9 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
     """A checked packed call lowers to one ragged forward and one ragged backward, each with
     the device's grid as an int32 [3] operand (device_grid), on the plain targets even while
     every other call is recorded (its handler waits for the grid, which a command buffer cannot
-    do); the stated bound has no grid operand."""
+    do). Self-attention without lengths sends the ids too, its handler running the exact
+    fallback itself (no cond in the program); with lengths a cond chooses the fallback. The
+    stated bound has no grid operand."""
     monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
     q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
@@ -239,14 +241,19 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
             q, q, q, is_causal=True, query_segment_ids=ids, implementation="cudnn",
             **kwargs).astype(jnp.float32).sum())
         return jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    text = lowered()
-    ragged = [line for line in text.splitlines()
-              if "custom_call @jax_sdpa" in line and "ragged = true" in line]
-    assert len(ragged) == 2
-    for line in ragged:
-        assert "device_grid = true" in line and "_cmdbuf" not in line
-        assert re.search(r"tensor<3xi32>", line.split("->")[0])
-    assert "stablehlo.case" in text or "stablehlo.if" in text
+    lengths = jnp.array([256, 200], jnp.int32)
+    for kwargs, in_handler in (({}, True), (dict(query_seq_lengths=lengths), False)):
+        text = lowered(**kwargs)
+        ragged = [line for line in text.splitlines()
+                  if "custom_call @jax_sdpa" in line and "ragged = true" in line]
+        assert len(ragged) == 2
+        for line in ragged:
+            assert "device_grid = true" in line and "_cmdbuf" not in line
+            assert re.search(r"tensor<3xi32>", line.split("->")[0])
+            assert f"fallback_ids = {str(in_handler).lower()}" in line
+            # the ids [2, 256] go in beside the [2, 256, 4, 64] operands
+            assert bool(re.search(r"tensor<2x256xi32>", line.split("->")[0])) == in_handler
+        assert ("stablehlo.case" in text or "stablehlo.if" in text) != in_handler, kwargs
     stated = lowered(max_segments=4, max_document_length=64)
     assert "device_grid = true" not in stated and "device_grid = false" in stated
 

@@ -310,11 +310,13 @@ def test_gqa_and_value_head_dim(kv_heads, head_dim_v, emulated_cudnn):
           is_causal=True)
 
 
-def test_vmap_folds_into_one_packed_call(emulated_cudnn):
+@pytest.mark.parametrize("second", ["contiguous", "reused_id"])
+def test_vmap_folds_into_one_packed_call(second, emulated_cudnn):
+    """Two stacks of rows in one call; with one the table cannot hold, both run the fallback."""
     ids = jnp.asarray(np.stack(ROWS["contiguous"]))
     q, k, v, _ = qkv(9)
     stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
-    both_ids = jnp.stack([ids, ids[::-1]])
+    both_ids = jnp.stack([ids, jnp.asarray(np.stack(ROWS[second]))[::-1]])
 
     def fn(implementation):
         return jax.jit(jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
@@ -326,7 +328,8 @@ def test_vmap_folds_into_one_packed_call(emulated_cudnn):
     text = jax.jit(jax.vmap(lambda q, k, v, ids: jax_sdpa.dot_product_attention(
         q, k, v, query_segment_ids=ids, implementation="cudnn"))).lower(
         *stacked, both_ids).as_text()
-    assert text.count("stablehlo.case") + text.count("mhlo.case") <= 1  # one cond, not a select
+    # the handler chooses between grid and fallback: no cond, no select of two calls
+    assert text.count("stablehlo.case") + text.count("mhlo.case") == 0
 
 
 def test_packed_lowering_has_no_score_sized_array(monkeypatch):

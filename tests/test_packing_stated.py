@@ -130,7 +130,8 @@ def test_varlen_max_seqlen_is_the_statement(emulated_cudnn):
 
 def test_stated_bound_lowers_one_plan_and_no_switch(monkeypatch):
     """What the statement buys: the fwd+bwd for CUDA holds one ragged forward and one backward,
-    sized by the bound, and no conditional (whose index the host would wait for)."""
+    sized by the bound, and no grid for the handler to wait for (nor, with lengths, the
+    checked call's conditional, whose predicate the host would wait for too)."""
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
@@ -144,7 +145,11 @@ def test_stated_bound_lowers_one_plan_and_no_switch(monkeypatch):
     assert "stablehlo.case" not in stated
     assert set(re.findall(r"max_document_length_q = (\d+)", stated)) == {"256"}
     assert len(re.findall(r"@jax_sdpa_\w+\(", stated)) == 2
-    assert "stablehlo.case" in lowered()  # unstated: the checked switch
+    assert "device_grid = true" not in stated
+    assert "device_grid = true" in lowered()  # unstated: the grid chosen on the device
+    lengths = dict(query_seq_lengths=jnp.array([1024, 1000], jnp.int32))
+    assert "stablehlo.case" not in lowered(max_document_length=256, max_segments=4, **lengths)
+    assert "stablehlo.case" in lowered(**lengths)  # unstated: the checked cond
 
 
 @pytest.mark.parametrize("value,error", [
