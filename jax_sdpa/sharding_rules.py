@@ -159,8 +159,9 @@ def _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias):
 
 def _folded(kernel_fn, inputs, axis_size, in_batched, arrays):
     """vmap folded into the batch axis: one kernel call on [V * B, ...] arrays. Packed calls
-    take this way, so that the device-side choice of their layout stays one lax.cond (vmap of a
-    cond with a batched predicate would run both branches)."""
+    take this way, so that the device-side choice of their layout stays one choice (vmap of a
+    lax.cond with a batched predicate would run both branches; the handler of a call with a
+    device grid takes one grid for every slice)."""
     flat = []
     for name, batched, x in zip(inputs, in_batched, arrays):
         if name in _UNBATCHED:
