@@ -139,8 +139,10 @@ ffi::ErrorOr<CallPlan> PlanCall(Direction direction, int32_t device, const Opera
     }
   }
   if (c.segment_mask || attributes.fallback_ids) {
-    if (c.segment_mask == c.ragged || c.page_size > 0 ||
-        (attributes.fallback_ids && (c.segment_mask || !optional.grid))) {
+    bool dense_mask = c.segment_mask && !c.ragged && c.page_size == 0;
+    bool ragged_fallback = attributes.fallback_ids && !c.segment_mask && c.ragged &&
+                           optional.grid.has_value();
+    if (!dense_mask && !ragged_fallback) {
       return Failure{InvalidArgument("segment ids mask a dense call, or a ragged call's "
                                      "fallback on a device grid")};
     }
@@ -363,11 +365,14 @@ ffi::Error ApplyGrid(const std::vector<int32_t>& grid, CallPlan& plan) {
     queries = std::max(queries, grid[i + 1]);
     keys = std::max(keys, grid[i + 2]);
   }
-  if (fallback && plan.fallback) {
+  if (fallback) {
+    if (!plan.fallback) {
+      return Failure{InvalidArgument("a device grid of 0 documents needs the fallback's ids")};
+    }
     c = *plan.fallback;
     return ffi::Error::Success();
   }
-  if (fallback || entries < 1 || entries > c.batch || queries < 1 || queries > c.q_seq_len || keys < 1 ||
+  if (entries < 1 || entries > c.batch || queries < 1 || queries > c.q_seq_len || keys < 1 ||
       keys > c.kv_seq_len) {
     return Failure{InvalidArgument(
         "the device grid (" + std::to_string(entries) + " documents of up to " +

@@ -29,14 +29,9 @@ std::shared_ptr<SdpaGraph> CallState::Find(const SdpaConfig& config) {
 
 void CallState::Remember(std::shared_ptr<SdpaGraph> graph) {
   std::lock_guard<std::mutex> guard(mutex_);
-  for (Held& held : held_) {
-    // One instruction has one config per device; should another come, it replaces the old.
-    if (held.graph->config().device == graph->config().device) {
-      ReleaseLocked(held);
-      held.graph = std::move(graph);
-      return;
-    }
-  }
+  // A call's shapes are fixed: one config per device, but one per grid for a call whose grid
+  // the device chooses, kept so that a grid coming back (a training step's documents) is found
+  // here rather than in the cache. The oldest goes when the state is full.
   if (held_.size() == kMaxGraphs) {
     ReleaseLocked(held_.front());
     held_.erase(held_.begin());

@@ -1,5 +1,6 @@
 // State XLA keeps for each of our custom calls in a compiled executable (the FFI "instantiate"
-// stage): per device, the graph that call runs and, for a call XLA records into command buffers
+// stage): per device, the graphs that call runs (one per grid the device chose) and, for a call
+// XLA records into command buffers
 // without giving it a big enough workspace result, its own workspace. It serves three purposes:
 // - a call finds its graph without hashing its config or taking the cache's lock;
 // - a graph stays alive as long as an executable that uses it: a call recorded into a command
@@ -48,8 +49,9 @@ class CallState {
   };
   void ReleaseLocked(Held& held);
 
-  // One executable may run on several devices; a handful of entries, searched linearly.
-  static constexpr size_t kMaxGraphs = 16;
+  // One executable may run on several devices, a call with a device grid on up to 9 graphs
+  // per device (jax_sdpa/kernels.py's grids and the fallback); searched linearly.
+  static constexpr size_t kMaxGraphs = 80;
   std::mutex mutex_;
   std::vector<Held> held_;
 };

@@ -101,27 +101,22 @@ def _planned_workspace_bytes(backward, device, operands, attributes) -> int:
 
 
 def _call_with_workspace(role, config, result_types, operands, attributes, vmap_method,
-                         planned_as=None):
+                         plan_workspace=True):
     """ffi_call of our target with the call's cuDNN workspace as one more result, a uint8 buffer
     XLA allocates: XLA reuses that memory like any temporary, and orders it like any buffer
     inside a command buffer (CUDA graph), so no call holds memory of its own. Its size comes
     from the call's graph, built here (on this process's first GPU) and cached for the call;
     without a GPU, or a graph that needs none, the handler takes scratch memory per call
-    instead. planned_as: None; or the (operands, attributes) of a larger call whose graph sizes
-    the workspace instead (one graph built while tracing for many calls; the handler takes
-    scratch memory if it falls short); or False: no graph built while tracing, scratch memory
-    (for calls that seldom run). Returns the call's other results."""
+    instead. plan_workspace=False: no graph built while tracing, scratch memory (for calls that
+    seldom run). Returns the call's other results."""
     buffered = config.command_buffer
     attributes = dict(attributes, command_buffer=buffered, workspace_result=False)
     device = _gpu_ordinal()
     workspace = 0
-    if device is not None and planned_as is not False:
-        planned_operands, planned_attributes = planned_as or (operands, attributes)
-        planned_attributes = dict(planned_attributes, command_buffer=buffered,
-                                  workspace_result=False)
+    if device is not None and plan_workspace:
         described = tuple((jnp.dtype(x.dtype).name, tuple(int(d) for d in x.shape))
-                          for x in planned_operands)
-        values = tuple(sorted((name, float(value)) for name, value in planned_attributes.items()))
+                          for x in operands)
+        values = tuple(sorted((name, float(value)) for name, value in attributes.items()))
         workspace = _planned_workspace_bytes(role == "backward", device, described, values)
     if workspace > 0:
         attributes["workspace_result"] = True
@@ -133,7 +128,7 @@ def _call_with_workspace(role, config, result_types, operands, attributes, vmap_
 
 
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, fp8_scales=None, workspace_for=None, grid=None,
+                 poison_rows=None, fp8_scales=None, plan_workspace=True, grid=None,
                  fallback_ids=False):
     """cuDNN forward: (output [batch..., T, N, Hv], lse float32 [batch..., N, T], or
     [batch..., T, N] token-major when ragged).
@@ -144,11 +139,11 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
     bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an
     FP8 call's float32 scale rows (e4m3 query, key and value; the output comes back e4m3 too,
-    and the amaxes as a third result); workspace_for: None; the (ragged_operands,
-    max_document_length) of a larger ragged grid whose graph sizes the workspace; or False:
-    scratch memory, and no graph built while tracing. grid: None; or int32 [3], the ragged
-    grid (entries, queries, keys) chosen on the device, within ragged_operands and
-    max_document_length: the handler reads it (waiting for the GPU) and runs that grid.
+    and the amaxes as a third result); plan_workspace=False: scratch memory, and no graph
+    built while tracing. grid: None; or int32 [3], the ragged grid (entries, queries, keys)
+    chosen on the device, within ragged_operands and max_document_length: the handler reads it
+    (waiting for the GPU) and runs that grid (the workspace is the largest grid's: the graph
+    of the operands as given).
     fallback_ids: with a grid, the call takes the segment ids too, and a grid of 0 documents
     runs the dense call over the rows masking them (self-attention without lengths: rows the
     document table cannot express), the lse token-major all the same.
@@ -163,23 +158,23 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
         *_fp8_amaxes("forward", fp8_scales),
     )
-    described = functools.partial(_described, inputs, config, (query, key, value),
-                                  poison_rows=poison_rows, fp8_scales=fp8_scales)
-    operands, attributes = described(ragged_operands, max_document_length, grid=grid,
-                                     fallback_ids=fallback_ids)
+    operands, attributes = _described(inputs, config, (query, key, value), ragged_operands,
+                                      max_document_length, poison_rows=poison_rows,
+                                      fp8_scales=fp8_scales, grid=grid,
+                                      fallback_ids=fallback_ids)
     # broadcast_all: under vmap every operand gains the same leading axes, which the handler
     # folds into the batch.
     return _call_with_workspace("forward", config, result_types, operands, attributes,
-                                "broadcast_all", workspace_for and described(*workspace_for))
+                                "broadcast_all", plan_workspace)
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
                   max_document_length=(0, 0), poison_rows=None, fp8_scales=None,
-                  workspace_for=None, grid=None, fallback_ids=False):
+                  plan_workspace=True, grid=None, fallback_ids=False):
     """cuDNN backward: (dq, dk, dv, dbias or None); dbias only for a user's bias. poison_rows:
     as sdpa_forward's, for dq, dk and dv. fp8_scales: an FP8 call's scale rows; d_output is then
     in the gradients' FP8 format, which dq, dk and dv come back in, and the amaxes follow.
-    workspace_for, grid, fallback_ids: as sdpa_forward's."""
+    plan_workspace, grid, fallback_ids: as sdpa_forward's."""
     _extension.register_ffi_targets()
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     gradient_dtype = lambda x: d_output.dtype if fp8_scales is not None else x.dtype  # noqa
@@ -190,13 +185,12 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
     result_types += _fp8_amaxes("backward", fp8_scales)
     if fp8_scales is None:
         d_output = d_output.astype(output.dtype)
-    described = functools.partial(_described, inputs, config,
-                                  (query, key, value, output, lse, d_output),
-                                  poison_rows=poison_rows, fp8_scales=fp8_scales)
-    operands, attributes = described(ragged_operands, max_document_length, grid=grid,
-                                     fallback_ids=fallback_ids)
+    operands, attributes = _described(inputs, config, (query, key, value, output, lse, d_output),
+                                      ragged_operands, max_document_length,
+                                      poison_rows=poison_rows, fp8_scales=fp8_scales, grid=grid,
+                                      fallback_ids=fallback_ids)
     results = _call_with_workspace("backward", config, result_types, operands, attributes,
-                                   "broadcast_all", workspace_for and described(*workspace_for))
+                                   "broadcast_all", plan_workspace)
     amaxes = (results[-1],) if fp8_scales is not None else ()
     return (*results[:3], results[3] if with_dbias else None, *amaxes)
 

@@ -219,20 +219,19 @@ def _stated_documents(config, docs):
 # A checked call (no statement) runs one ragged call on the grid its documents fit, chosen on
 # the device (_chosen_grid) and read by its handler, which builds each grid's graph when it
 # first runs: XLA compiles one custom call, not one per grid, and the workspace is sized once,
-# from the largest grid's graph. The operands are the document table's for the most entries: a
-# grid of fewer entries reads their first rows (documents are compacted to the front). Where
-# the table cannot express the ids, the exact fallback runs instead: for rows that are wholly
-# their documents (self-attention without lengths) it is one dense cuDNN call the ragged call's
-# handler runs itself on a grid of 0 documents (the ids go with it), so the call waits for the
-# GPU once, for the grid; otherwise a lax.cond chooses, its predicate a second wait (a stated
-# bound, none).
+# from the graph its operands describe, the largest grid's. The operands are the document
+# table's for the most entries: a grid of fewer entries reads their first rows (documents are
+# compacted to the front). Where the table cannot express the ids, the exact fallback runs
+# instead: for rows that are wholly their documents (self-attention without lengths) it is one
+# dense cuDNN call the ragged call's handler runs itself on a grid of 0 documents (the ids go
+# with it), so the call waits for the GPU once, for the grid; otherwise a lax.cond chooses,
+# its predicate a second wait (a stated bound, none).
 class _CheckedGrids:
     def __init__(self, config, inputs, docs):
         query, key = inputs["query"], inputs["key"]
         grids = ragged_grids(query.shape[0], config.max_segments, query.shape[1], key.shape[1])
         self.grid, self.fallback = _chosen_grid(docs, grids)
         self.operands = _ragged_operands(inputs, docs, max(entries for entries, _ in grids))
-        self.workspace_for = (self.operands, (0, 0))
         self.config = config
         # packed_fallback's rows that see no key or lie past the lengths: none here.
         self.in_handler = config.segments == "self" and not config.has_lengths
@@ -242,8 +241,7 @@ class _CheckedGrids:
     def _ragged(self, call, *args):
         # The handler waits for the grid's numbers, which nothing recorded may do.
         config = dataclasses.replace(self.config, command_buffer=False)
-        return call(*args, config, self.operands, workspace_for=self.workspace_for,
-                    grid=self.grid, fallback_ids=self.in_handler)
+        return call(*args, config, self.operands, grid=self.grid, fallback_ids=self.in_handler)
 
     def forward(self, inputs):
         """(output, token-major lse) of the documents' grid, or of the fallback."""

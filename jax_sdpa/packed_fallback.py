@@ -57,7 +57,7 @@ def _empty_rows(lse, averaged):
 def forward(config, inputs):
     """(output [B, T, N, Hv], lse float32 [B, N, T]) of a packed call's inputs (no sinks)."""
     output, lse = _ffi.sdpa_forward(_masked_inputs(inputs), _masked_spec(config),
-                                    workspace_for=False)
+                                    plan_workspace=False)
     averaged = _averaged_rows(inputs)
     average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]  # [B, 1, N, Hv]
     output, lse = fill_empty_rows(output, lse, _empty_rows(lse, averaged), average)
@@ -80,7 +80,7 @@ def backward(config, inputs, output, lse, d_output):
     dq, dk, dv, _ = _ffi.sdpa_backward(
         _masked_inputs(inputs), output, jnp.where(empty, 0.0, lse),
         jnp.where(empty_rows, jnp.zeros((), d_output.dtype), d_output), _masked_spec(config),
-        workspace_for=False)
+        plan_workspace=False)
     mean_rows = jnp.swapaxes(empty & averaged, 1, 2)[..., None]
     dv_mean = mean_value_gradient(inputs["query"].shape[2], value,
                                   jnp.where(mean_rows, d_output, 0))

@@ -191,7 +191,7 @@ def _or_fallback(grid, fallback_ids, ragged, dense):
 
 
 def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, workspace_for=None, grid=None,
+                 poison_rows=None, plan_workspace=True, grid=None,
                  fallback_ids=False):  # (no workspace here)
     def dense():
         out, lse = _segment_masked_forward(packed_fallback._masked_spec(config),
@@ -249,7 +249,7 @@ def _dense_backward(inputs, output, lse, d_output, config):
 
 
 def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None, workspace_for=None, grid=None,
+                  max_document_length=(0, 0), poison_rows=None, plan_workspace=True, grid=None,
                   fallback_ids=False):
     def dense():
         return _dense_backward(packed_fallback._masked_inputs(inputs), output,
