@@ -30,8 +30,9 @@ from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_f
 from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks import packed
 from benchmarks.implementations import available
-from jax_sdpa import _extension, kernels
-from jax_sdpa.validation import DEFAULT_MAX_SEGMENTS
+from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.call.validation import DEFAULT_MAX_SEGMENTS
 
 
 # The JAX calls timed next to the graph alone (benchmarks/implementations.py's names).

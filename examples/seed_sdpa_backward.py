@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
-from jax_sdpa import planning
+from jax_sdpa.call import plan as planning
 
 B, H, S, D = 4, 12, 1024, 64
 SCALE = 1.0 / math.sqrt(D)

@@ -2,16 +2,16 @@
 
 import jax as _jax
 
-from jax_sdpa.versions import check_jax as _check_jax
+from jax_sdpa.common.versions import check_jax as _check_jax
 
 _check_jax(_jax.__version__)
 
-from jax_sdpa._extension import (cudnn_version, export_disabled_checks, graph_cache_stats,
+from jax_sdpa.cudnn.extension import (cudnn_version, export_disabled_checks, graph_cache_stats,
                                  register_ffi_targets)
-from jax_sdpa.attention import dot_product_attention
-from jax_sdpa.paged import paged_attention, paged_kv_update
-from jax_sdpa.reference import attention_reference
-from jax_sdpa.varlen import varlen_attention
+from jax_sdpa.api.attention import dot_product_attention
+from jax_sdpa.api.paged import paged_attention, paged_kv_update
+from jax_sdpa.reference.attention import attention_reference
+from jax_sdpa.api.varlen import varlen_attention
 
 __all__ = ["dot_product_attention", "varlen_attention", "paged_attention", "paged_kv_update",
            "attention_reference", "cudnn_version",

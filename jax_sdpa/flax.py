@@ -16,8 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen
 
-from jax_sdpa import attention as _attention, planning
-from jax_sdpa._warnings import warn
+from jax_sdpa.api import attention as _attention
+from jax_sdpa.call import plan as planning
+from jax_sdpa.common.warn import warn
 
 
 def _fold_leading(array, batch_shape):

@@ -19,10 +19,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_kernels, fp8_reference, planning, sharding_rules
-from jax_sdpa import fp8_scaling as scaling
-from jax_sdpa._warnings import warn
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.kernels import fp8 as fp8_kernels
+from jax_sdpa.reference import fp8 as fp8_reference
+from jax_sdpa.call import plan as planning
+from jax_sdpa.kernels import sharding as sharding_rules
+from jax_sdpa.reference import fp8_scaling as scaling
+from jax_sdpa.common.warn import warn
+from jax_sdpa.call.spec import CallSpec
 
 # JAX's fp8_params keys: the forward reads the first six scale factors, the backward thirteen
 # (in ffi/sdpa_graphs.h's Fp8Scale order); the amaxes are placeholders for the backward's.

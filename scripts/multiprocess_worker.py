@@ -57,8 +57,8 @@ def check_sharding(platform):
     collective (a broadcast bias's gradient aside), the single device's answer."""
     from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
-    from jax_sdpa import kernel_vjp  # noqa: PLC0415
-    from jax_sdpa.call_spec import CallSpec  # noqa: PLC0415
+    from jax_sdpa.kernels import vjp as kernel_vjp  # noqa: PLC0415
+    from jax_sdpa.call.spec import CallSpec  # noqa: PLC0415
 
     kernel = "cudnn" if platform == "gpu" else "xla"
     dtype = jnp.bfloat16 if kernel == "cudnn" else np.float32

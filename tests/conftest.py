@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_sdpa import planning  # noqa: E402
+from jax_sdpa.call import plan as planning  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -126,14 +126,14 @@ def assert_same_function(fn_a, fn_b, args, d_out, tol=1e-5):
 def kernel_attention(query, key, value, config, **optional):
     """The kernels' custom_vjp called directly (below dot_product_attention's checks):
     (output, lse [B, N, T]). optional: the config's other inputs by name."""
-    from jax_sdpa import kernel_vjp  # noqa: PLC0415
+    from jax_sdpa.kernels import vjp as kernel_vjp  # noqa: PLC0415
 
     return kernel_vjp.attention(config, dict(query=query, key=key, value=value, **optional))
 
 
 def target(role):
     """Our FFI target's name for a role: forward, backward, forward_command_buffer, ..."""
-    from jax_sdpa import _extension  # noqa: PLC0415
+    from jax_sdpa.cudnn import extension as _extension  # noqa: PLC0415
 
     return _extension.target_names()[role]
 

@@ -10,7 +10,9 @@ import functools
 
 import jax
 
-from jax_sdpa import _extension, fp8, sharding_rules
+from jax_sdpa import fp8
+from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.kernels import sharding as sharding_rules
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, packed_fallback, reference_kernel
-from jax_sdpa.reference import combined_mask, fold_heads, repeat_heads
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.packing import fallback as packed_fallback
+from jax_sdpa.reference import kernel as reference_kernel
+from jax_sdpa.reference.attention import combined_mask, fold_heads, repeat_heads
 
 
 def _token_documents(starts, lengths, total):

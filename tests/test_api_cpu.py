@@ -113,7 +113,7 @@ def test_low_precision_reference_is_close_to_float32():
 
 
 def test_cudnn_without_gpu_is_a_clear_error():
-    if jax_sdpa.planning.device_reason() is None:
+    if jax_sdpa.call.plan.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(6, 1, 8, 8, 2, 2, 64, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="implementation='cudnn'.*NVIDIA GPU"):
@@ -122,7 +122,7 @@ def test_cudnn_without_gpu_is_a_clear_error():
 
 def test_default_falls_back_silently_without_a_gpu():
     """As jax.nn picks XLA silently, so does the default call where there is no GPU to lose."""
-    if jax_sdpa.planning.device_reason() is None:
+    if jax_sdpa.call.plan.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(7, 1, 8, 8, 2, 2, 16, jnp.bfloat16)
     with warnings.catch_warnings():
@@ -141,7 +141,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
     """cuDNN's backward refuses T = S = 1 (its frontend says so at graph build, inside jit):
     planned up front, the default call keeps cuDNN's forward and takes the reference backward
     with a warning; implementation='cudnn' raises before anything runs."""
-    monkeypatch.setattr(jax_sdpa.planning, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
     q = jnp.zeros((4, 1, 2, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="backward.*T = S = 1"):
         jax_sdpa.dot_product_attention(q, q, q, implementation="cudnn")
@@ -149,7 +149,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
         jnp.float32).sum())
     with pytest.warns(RuntimeWarning, match="backward.*reference path.*T = S = 1"):
         text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    targets = jax_sdpa._extension.target_names()
+    targets = jax_sdpa.cudnn.extension.target_names()
     assert targets["forward"] in text and targets["backward"] not in text
 
 
@@ -157,7 +157,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
 def test_a_bad_graph_cache_size_is_named_when_the_extension_loads(value):
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
-    script = "from jax_sdpa import _extension\n_extension.extension()"
+    script = "from jax_sdpa.cudnn import extension as _extension\n_extension.extension()"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**__import__("os").environ, "JAX_SDPA_GRAPH_CACHE_SIZE": value},
                             timeout=120)
@@ -170,7 +170,7 @@ def test_without_cudnn_installed_the_library_answers(monkeypatch):
     extension cannot load, and the version and cache queries answer instead of raising."""
     import importlib.util  # noqa: PLC0415
 
-    from jax_sdpa import _extension  # noqa: PLC0415
+    from jax_sdpa.cudnn import extension as _extension  # noqa: PLC0415
 
     def no_nvidia(name, *args):
         raise ModuleNotFoundError("No module named 'nvidia'")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import fp8_scaling as scaling
+from jax_sdpa.reference import fp8_scaling as scaling
 from conftest import random_qkv, relative_error
 
 
@@ -173,7 +173,8 @@ def test_framework_convention_refuses_by_name():
 def test_a_single_query_is_planned_off_cudnn(kv_seq_len, monkeypatch):
     """cuDNN 9.19 has no FP8 forward engine for one query (T = 1): planning names it (an error
     under implementation="cudnn") instead of letting the graph build fail inside XLA."""
-    from jax_sdpa import _extension, planning  # noqa: PLC0415
+    from jax_sdpa.call import plan as planning  # noqa: PLC0415
+    from jax_sdpa.cudnn import extension as _extension
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
     monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)

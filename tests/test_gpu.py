@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.call.spec import CallSpec
 from conftest import (assert_close_to_reference, kernel_attention, random_qkv, relative_error,
                       target)
 from poisoning import poison_outputs

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import planning
-from jax_sdpa.validation import validate
+from jax_sdpa.call import plan as planning
+from jax_sdpa.call.validation import validate
 from conftest import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu

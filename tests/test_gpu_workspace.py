@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi
+from jax_sdpa.cudnn import call as _ffi
 from conftest import calls_to, random_qkv, relative_error
 from poisoning import poison_outputs
 

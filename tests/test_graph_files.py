@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from jax_sdpa import _extension
+from jax_sdpa.cudnn import extension as _extension
 
 
 @pytest.fixture(scope="module")

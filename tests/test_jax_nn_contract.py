@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import planning
+from jax_sdpa.call import plan as planning
 from conftest import random_qkv
 from test_packing import emulated_cudnn  # noqa: F401
 

@@ -129,7 +129,7 @@ def test_dropout_gradient_matches_the_same_mask():
     """The gradient of a dropped-out call is the gradient with that fixed keep mask."""
     q, k, v, d_out = dropout_inputs()
     key, rate = jax.random.key(3), 0.25
-    keep = jax_sdpa.reference.dropout_keep_mask(key, rate, (2, 4, 16, 24))
+    keep = jax_sdpa.reference.attention.dropout_keep_mask(key, rate, (2, 4, 16, 24))
 
     def fixed(q, k, v):  # the same computation with the mask as a constant
         return jax_sdpa.attention_reference(q, k, v, scale=0.25, dropout_rate=rate,

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _ffi, kernels, packing, planning
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.packing import documents as packing
+from jax_sdpa.call import plan as planning
 import ragged_emulator
 from conftest import (directional_derivative_error, gradient_patterns, random_qkv,
                       reference_gradients, relative_error)
@@ -353,8 +356,8 @@ def test_packed_lowering_has_no_score_sized_array(monkeypatch):
 def test_blockwise_fallback_is_the_reference(case):
     """The blockwise reference (a packed call's backward where cuDNN has none), block by block
     (a block that does not divide T), against the whole reference: values and gradients."""
-    from jax_sdpa import reference_kernel  # noqa: PLC0415
-    from jax_sdpa.call_spec import CallSpec  # noqa: PLC0415
+    from jax_sdpa.reference import kernel as reference_kernel  # noqa: PLC0415
+    from jax_sdpa.call.spec import CallSpec  # noqa: PLC0415
     q, k, v, d_out = (x.astype(jnp.float32) for x in qkv(10, kv_seq=S))
     q_ids = jnp.asarray(np.stack(ROWS["reused_id"]))
     inputs = dict(query=q, key=k[:, :T] if case == "self_causal" else k,
@@ -384,8 +387,8 @@ def test_checked_packed_calls_need_the_segment_mask_cudnn(version, monkeypatch):
     """The checked call's exact fallback masks ids inside cuDNN (9.9 and newer): with an older
     cuDNN a checked call takes the dense bias, naming the version; a stated bound (no
     fallback) keeps the ragged layout either way."""
-    from jax_sdpa import _extension  # noqa: PLC0415
-    from jax_sdpa.validation import validate  # noqa: PLC0415
+    from jax_sdpa.cudnn import extension as _extension  # noqa: PLC0415
+    from jax_sdpa.call.validation import validate  # noqa: PLC0415
     monkeypatch.setattr(planning, "device_reason", lambda: None)
     monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
     monkeypatch.setattr(_extension, "cudnn_version", lambda: version)

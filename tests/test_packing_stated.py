@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import planning
+from jax_sdpa.call import plan as planning
 from conftest import relative_error
 from test_packing import (B, CROSS, N, ROWS, S, T, check, emulated_cudnn, qkv,  # noqa: F401
                           random_ids, runs)

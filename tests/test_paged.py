@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import _extension, _ffi, planning
+from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.call import plan as planning
 import paged_emulator
 
 PAGES, PAGE, K, N, H = 24, 8, 2, 4, 16

@@ -6,8 +6,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import planning
-from jax_sdpa.validation import validate
+from jax_sdpa.call import plan as planning
+from jax_sdpa.call.validation import validate
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 64

@@ -1,4 +1,4 @@
-"""Sharding rules (jax_sdpa.sharding_rules) under jit: with q/k/v sharded over batch and/or heads
+"""Sharding rules (jax_sdpa.kernels.sharding) under jit: with q/k/v sharded over batch and/or heads
 each device runs the kernel on its shard, and the compiled program has no collective around it
 (the sum of a broadcast bias's gradient aside); any other layout is resharded, not refused.
 
@@ -16,9 +16,10 @@ import pytest
 import jax_sdpa
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_sdpa import _ffi, planning
-from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.kernel_vjp import dropout_seed
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.call import plan as planning
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.kernels.vjp import dropout_seed
 from conftest import kernel_attention, relative_error
 import ragged_emulator
 

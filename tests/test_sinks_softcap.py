@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_sdpa
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.ring import ring_attention, zigzag_permute, zigzag_unpermute
 from conftest import kernel_attention, relative_error
 

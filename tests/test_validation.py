@@ -82,8 +82,8 @@ def test_max_segments_is_a_positive_int(value, error):
 def test_the_spec_band_is_the_arguments_mask(q_seq_len, kv_seq_len):
     """The band a call's CallSpec holds (inclusive bounds, causal folded in, bottom-right only
     where T != S) reads as exactly the mask its arguments mean, for every combination."""
-    from jax_sdpa.reference import combined_mask
-    from jax_sdpa.validation import validate
+    from jax_sdpa.reference.attention import combined_mask
+    from jax_sdpa.call.validation import validate
 
     q = jnp.ones((1, q_seq_len, 2, 8), jnp.float32)
     kv = jnp.ones((1, kv_seq_len, 2, 8), jnp.float32)

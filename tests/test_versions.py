@@ -1,6 +1,6 @@
 import pytest
 
-from jax_sdpa import versions
+from jax_sdpa.common import versions
 
 
 @pytest.mark.parametrize("text,expected", [("0.11.2", (0, 11, 2)), ("0.6.0.dev20250101", (0, 6, 0)),

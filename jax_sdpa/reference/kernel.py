@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import fp8_reference
-from jax_sdpa.reference import attention_reference, spec_options
+from jax_sdpa.reference import fp8 as fp8_reference
+from jax_sdpa.reference.attention import attention_reference, spec_options
 
 # Query rows per block of the blockwise form: its float32 scores take block x S x heads x batch
 # x 4 bytes; about this many elements at most.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.varying import varying_axes
+from jax_sdpa.common.varying import varying_axes
 
 
 def _per_row(sinks):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sdpa import kernel_vjp
-from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.reference import combined_mask, fill_empty_rows, mask_to_bias, mean_value
-from jax_sdpa.validation import AttentionCall
+from jax_sdpa.kernels import vjp as kernel_vjp
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.reference.attention import combined_mask, fill_empty_rows, mask_to_bias, mean_value
+from jax_sdpa.call.validation import AttentionCall
 
 
 def _dense_mask(call: AttentionCall, dense_segments: bool):

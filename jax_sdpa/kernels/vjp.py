@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import sharding_rules, sink_softmax
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.kernels import sharding as sharding_rules
+from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.call.spec import CallSpec
 
 _DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
 

@@ -15,10 +15,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import command_buffers, kernels
-from jax_sdpa import sink_softmax
-from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.reference import fold_heads, repeat_heads
+from jax_sdpa.cudnn import command_buffers
+from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.reference.attention import fold_heads, repeat_heads
 
 FULL, DIAGONAL, SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
 

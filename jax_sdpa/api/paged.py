@@ -20,8 +20,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import command_buffers, kernels, planning, reference_kernel, validation
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.cudnn import command_buffers
+from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.call import plan as planning
+from jax_sdpa.reference import kernel as reference_kernel
+from jax_sdpa.call import validation
+from jax_sdpa.call.spec import CallSpec
 
 
 def _check_caches(key_cache, value_cache):

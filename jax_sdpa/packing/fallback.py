@@ -18,8 +18,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi
-from jax_sdpa.reference import fill_empty_rows, large_negative, mean_value, mean_value_gradient
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.reference.attention import fill_empty_rows, large_negative, mean_value, mean_value_gradient
 
 
 def _masked_spec(config):

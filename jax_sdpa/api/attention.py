@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import fused_path, planning
-from jax_sdpa.reference import described_attention, large_negative
-from jax_sdpa.validation import AttentionCall, checked_residual_dtype, validate
+from jax_sdpa.call import inputs as fused_path
+from jax_sdpa.call import plan as planning
+from jax_sdpa.reference.attention import described_attention, large_negative
+from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,

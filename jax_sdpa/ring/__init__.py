@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import planning, ring_all_gather, validation
-from jax_sdpa import sink_softmax
-from jax_sdpa.ring_blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
+from jax_sdpa.call import plan as planning
+from jax_sdpa.ring import all_gather as ring_all_gather
+from jax_sdpa.call import validation
+from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.ring.blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
                                  merge, split_chunks, with_sinks)
 
 LAYOUTS = ("contiguous", "zigzag")

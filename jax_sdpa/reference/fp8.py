@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import fp8_scaling as scaling
-from jax_sdpa.reference import combined_mask, fold_heads, large_negative, repeat_heads
+from jax_sdpa.reference import fp8_scaling as scaling
+from jax_sdpa.reference.attention import combined_mask, fold_heads, large_negative, repeat_heads
 
 
 def _weights(config, inputs, q, k, lse=None):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_reference
-from jax_sdpa import fp8_scaling as scaling
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.reference import fp8 as fp8_reference
+from jax_sdpa.reference import fp8_scaling as scaling
 
 _SCALE_ROW = 4  # floats per scale: cuDNN wants each [1, 1, 1, 1] tensor 16-byte aligned
 

@@ -23,8 +23,8 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_sdpa import kernels
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.call.spec import CallSpec
 
 # Arrays with no batch axis (everything else has it first).
 _UNBATCHED = ("dropout_seed", "sinks")

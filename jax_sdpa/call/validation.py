@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa.call_spec import CallSpec
+from jax_sdpa.call.spec import CallSpec
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 

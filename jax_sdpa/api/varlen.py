@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.attention import dot_product_attention, empty_row_lse
-from jax_sdpa.validation import int32_array
+from jax_sdpa.api.attention import dot_product_attention, empty_row_lse
+from jax_sdpa.call.validation import int32_array
 
 
 def _checked_cu_seqlens(cu_seqlens, name, total):

@@ -19,8 +19,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _ffi, fp8_kernels, packed_fallback, packing, reference_kernel, sink_softmax
-from jax_sdpa.reference import fill_empty_rows, large_negative, mean_value, mean_value_gradient
+from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.kernels import fp8 as fp8_kernels
+from jax_sdpa.packing import fallback as packed_fallback
+from jax_sdpa.packing import documents as packing
+from jax_sdpa.reference import kernel as reference_kernel
+from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.reference.attention import fill_empty_rows, large_negative, mean_value, mean_value_gradient
 
 
 def forward(config, inputs):

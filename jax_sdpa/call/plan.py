@@ -12,10 +12,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _extension, command_buffers
-from jax_sdpa._warnings import warn
-from jax_sdpa.call_spec import CallSpec
-from jax_sdpa.validation import AttentionCall
+from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.cudnn import command_buffers
+from jax_sdpa.common.warn import warn
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.call.validation import AttentionCall
 
 MIN_CUDNN_VERSION = 90000  # cuDNN 9.0: SDPA forward and backward through the frontend graphs
 MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: cuDNN's fused flash attention kernels

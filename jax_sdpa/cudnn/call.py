@@ -9,8 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import _extension
-from jax_sdpa.varying import varying_like
+from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.common.varying import varying_like
 
 
 def _tails(inputs):
@@ -135,7 +135,7 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
 
     inputs: the config's inputs by name (call_spec.INPUTS); query, key, value in the
     [batch..., seq, heads, head_dim] layout. ragged_operands: None, or (q_lengths, kv_lengths
-    per document, offsets) from jax_sdpa.packing.ragged_operands; max_document_length:
+    per document, offsets) from jax_sdpa.packing.documents.ragged_operands; max_document_length:
     (queries, keys) no document is longer than (0: the rows' lengths); poison_rows: None, or
     bool [batch...]: rows whose first output token comes back NaN; fp8_scales: None, or an
     FP8 call's float32 scale rows (e4m3 query, key and value; the output comes back e4m3 too,

@@ -181,7 +181,7 @@ def spec_options(spec, q_seq_len, kv_seq_len, first_row=0) -> dict:
 
 
 def described_attention(call):
-    """attention_reference of a validated call (jax_sdpa.validation.AttentionCall): its
+    """attention_reference of a validated call (jax_sdpa.call.validation.AttentionCall): its
     operands, read as its description (a CallSpec) says."""
     return attention_reference(
         call.query, call.key, call.value, call.bias, call.mask,

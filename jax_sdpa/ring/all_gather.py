@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import sink_softmax
-from jax_sdpa.ring_blocks import (DIAGONAL, FULL, block_backward, block_forward, merge,
+from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.ring.blocks import (DIAGONAL, FULL, block_backward, block_forward, merge,
                                  split_chunks, with_sinks)
 
 
