@@ -61,10 +61,10 @@ def variants(config, ids):
 def _one_grid():
     """The checked call's program with the grid that covers every case alone (wrong speed:
     compile time only)."""
-    from jax_sdpa.kernels import dispatch as kernels  # noqa: PLC0415
+    from jax_sdpa.packing import grids  # noqa: PLC0415
 
-    every = kernels.ragged_grids
-    with mock.patch.object(kernels, "ragged_grids", lambda *a: every(*a)[-1:]):
+    every = grids.ragged_grids
+    with mock.patch.object(grids, "ragged_grids", lambda *a: every(*a)[-1:]):
         yield
 
 

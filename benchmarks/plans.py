@@ -31,7 +31,7 @@ from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks import packed
 from benchmarks.implementations import available
 from jax_sdpa.cudnn import extension as _extension
-from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.packing import grids
 from jax_sdpa.call.validation import DEFAULT_MAX_SEGMENTS
 
 
@@ -80,9 +80,9 @@ def time_plans(config, direction, rounds, inputs, implementation="auto"):
 def ragged_layout(config, max_segments):
     """(entries, bound, lengths) of the ragged graph a packed config's call runs: the first of
     jax_sdpa's plans (cheapest first) that holds its documents, the lengths compacted to the
-    front and padded with empty entries (as jax_sdpa/kernels.py lays them out)."""
+    front and padded with empty entries (as jax_sdpa/packing/ragged.py lays them out)."""
     lengths = [n for row in config.lengths for n in row]
-    for entries, (bound, _) in kernels.ragged_grids(config.batch, max_segments, config.seq,
+    for entries, (bound, _) in grids.ragged_grids(config.batch, max_segments, config.seq,
                                                     config.seq):
         if len(lengths) <= entries and max(lengths) <= bound:
             return entries, bound, lengths + [0] * (entries - len(lengths))

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.cudnn import fp8 as fp8_target
 from jax_sdpa.kernels import fp8 as fp8_kernels
 from jax_sdpa.reference import fp8 as fp8_reference
 from jax_sdpa.call import plan as planning
@@ -173,7 +173,7 @@ def _forward_kernel(config, inputs, factors):
     """(out8, lse, amaxes float32 [2, 4]: amax_s, amax_o) of one shard; factors: the scale
     rows of FORWARD_FACTORS."""
     if config.implementation == "cudnn":
-        return tuple(_ffi.sdpa_forward(inputs, config, fp8_scales=factors))
+        return fp8_target.forward(inputs, config, factors)
     f = dict(zip(FORWARD_FACTORS, factors[..., 0]))
     q, k, v = (_dequantized(inputs[x], f[n]) for x, n in
                (("query", "descale_q"), ("key", "descale_k"), ("value", "descale_v")))
@@ -186,9 +186,7 @@ def _backward_kernel(config, inputs, out8, lse, d_out, factors):
     """(dq, dk, dv in e4m3, amaxes float32 [4, 4]: AMAXES' order) of one shard; factors: the
     scale rows of BACKWARD_FACTORS."""
     if config.implementation == "cudnn":
-        dq, dk, dv, _, amaxes = _ffi.sdpa_backward(inputs, out8, lse, d_out, config,
-                                                   fp8_scales=factors)
-        return dq, dk, dv, amaxes
+        return fp8_target.backward(inputs, out8, lse, d_out, config, factors)
     f = dict(zip(BACKWARD_FACTORS, factors[..., 0]))
     q, k, v = (_dequantized(inputs[x], f[n]) for x, n in
                (("query", "descale_q"), ("key", "descale_k"), ("value", "descale_v")))

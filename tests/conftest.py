@@ -131,25 +131,28 @@ def kernel_attention(query, key, value, config, **optional):
     return kernel_vjp.attention(config, dict(query=query, key=key, value=value, **optional))
 
 
-def target(role):
-    """Our FFI target's name for a role: forward, backward, forward_command_buffer, ..."""
-    from jax_sdpa.cudnn import extension as _extension  # noqa: PLC0415
+def twins(role, job=None):
+    """The names of our targets of a role ("forward" or "backward"), of every job or of one
+    ("dense", "ragged", "paged", "fp8"), each with its command-buffer twin: which twin a call
+    lowers to depends on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/cudnn/command_buffers.py)."""
+    from jax_sdpa.cudnn.targets import TARGETS  # noqa: PLC0415
 
-    return _extension.target_names()[role]
-
-
-def twins(role):
-    """(plain, command-buffer) names of our target of this role (forward, backward): which one
-    a call lowers to depends on JAX_SDPA_COMMAND_BUFFERS (jax_sdpa/command_buffers.py)."""
-    return target(role), target(role + "_command_buffer")
+    return tuple(name for target in TARGETS if target.name.endswith("_" + role) and
+                 (job is None or target.name == f"jax_sdpa_{job}_{role}")
+                 for name in (target.name, target.command_buffer_name))
 
 
-def calls_to(text, role):
-    """The lines of lowered `text` that call either twin of our target of this role (or its
-    poisoned twin, tests/poisoning.py)."""
-    names = twins(role)
+def calls_to(text, role, job=None):
+    """The lines of lowered `text` that call our targets of this role (and job), either twin
+    (or its poisoned twin, tests/poisoning.py)."""
+    names = twins(role, job)
     return [line for line in text.splitlines()
             if any(f"@{name}(" in line or f"@{name}_poisoned(" in line for name in names)]
+
+
+def lowers_to(text, role, job=None) -> bool:
+    """Whether lowered `text` calls one of our targets of this role (and job)."""
+    return bool(calls_to(text, role, job))
 
 
 def gradient_patterns(f):

@@ -2,7 +2,7 @@
 CPU: it reads the operands as cuDNN's paged graph does (pages through the table, the padding
 mask from q_lengths and kv_lengths, the band measured bottom-right from each sequence's actual
 lengths, cuDNN's exclusive left bound) and leaves NaN in rows that see no key, so a test fails
-if the paged path (jax_sdpa/kernels.py, paged.py) relies on what cuDNN writes there. It fails
+if the paged path (jax_sdpa/kernels/dispatch.py, api/paged.py) relies on what cuDNN writes there. It fails
 loudly on a table entry outside the pool: cuDNN would read out of bounds.
 """
 
@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 
-def sdpa_paged_forward(query, key_cache, value_cache, q_lengths, kv_lengths, page_table,
-                       config):
+def forward(query, key_cache, value_cache, q_lengths, kv_lengths, page_table, config):
     pages, page_size, kv_heads, _ = key_cache.shape
     batch, q_seq_len, q_heads, head_dim = query.shape
     outside = jnp.any((page_table < 0) | (page_table >= pages))

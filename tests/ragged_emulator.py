@@ -9,8 +9,7 @@ gradient, given the sink attention's output and lse). Dense (non-ragged) calls g
 reference kernel forward (with the segment mask, rows that see no key left NaN as cuDNN
 leaves them), and their backward reads the lse likewise (band, lengths, ids, bias, soft-cap;
 dropout alone takes the reference's recomputing backward). Any disagreement between
-the packed path's bookkeeping (jax_sdpa/packing.py, jax_sdpa/kernels.py,
-jax_sdpa/packed_fallback.py) and the segment-id semantics shows up against the reference
+the packed path's bookkeeping (jax_sdpa/packing/, jax_sdpa/reference/empty_rows.py) and the segment-id semantics shows up against the reference
 without a GPU.
 """
 
@@ -19,8 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.cudnn import call as _ffi
-from jax_sdpa.packing import fallback as packed_fallback
+from jax_sdpa.cudnn import call as cudnn_call
+from jax_sdpa.cudnn import dense as dense_target
+from jax_sdpa.cudnn import ragged as ragged_target
+from jax_sdpa.packing import fallback
 from jax_sdpa.reference import kernel as reference_kernel
 from jax_sdpa.reference.attention import combined_mask, fold_heads, repeat_heads
 
@@ -125,7 +126,7 @@ def _unwritten(x, covered, config, inputs, side):
     fill = config.zero_fill(ragged=True)
     zeros = jnp.full(x.shape[:2], fill == "all")
     if fill == "tails":
-        tails = _ffi._tails(inputs)[:, side]
+        tails = cudnn_call.tails(inputs)[:, side]
         zeros = jnp.arange(x.shape[1])[None, :] >= tails[:, None]
     keep = covered.reshape(x.shape[:2])
     fill_value = jnp.where(zeros, 0.0, jnp.nan)
@@ -165,7 +166,7 @@ def _segment_masked_forward(config, inputs):
     out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], out, jnp.nan)
     lse = jnp.where(seen, lse, -jnp.inf)
     if config.zero_fill() == "tails":
-        past = (jnp.arange(out.shape[1])[None, :] >= _ffi._tails(inputs)[:, :1])  # [B, T]
+        past = (jnp.arange(out.shape[1])[None, :] >= cudnn_call.tails(inputs)[:, :1])  # [B, T]
         out = jnp.where(past[:, :, None, None], 0.0, out).astype(out.dtype)
         lse = jnp.where(past[:, None, :], 0.0, lse)
     return out, lse
@@ -192,12 +193,25 @@ def _or_fallback(grid, fallback_ids, ragged, dense):
                         ragged_results, dense_results, is_leaf=lambda x: x is None)
 
 
-def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0),
-                 poison_rows=None, plan_workspace=True, grid=None,
-                 fallback_ids=False):  # (no workspace here)
+def emulate(monkeypatch):
+    """Our dense and ragged FFI calls replaced by this module's stand-ins."""
+    monkeypatch.setattr(dense_target, "forward", dense_forward)
+    monkeypatch.setattr(dense_target, "backward", dense_backward)
+    monkeypatch.setattr(ragged_target, "forward", ragged_forward)
+    monkeypatch.setattr(ragged_target, "backward", ragged_backward)
+
+
+def dense_forward(inputs, config, *, plan_workspace=True):  # (no workspace here)
+    if config.segments:
+        return _segment_masked_forward(config, inputs)
+    return reference_kernel.forward(config, inputs)
+
+
+def ragged_forward(inputs, config, ragged_operands, *, max_document_length=(0, 0),
+                   poison_rows=None, grid=None, fallback_ids=False):
     def dense():
-        out, lse = _segment_masked_forward(packed_fallback._masked_spec(config),
-                                           packed_fallback._masked_inputs(inputs))
+        out, lse = _segment_masked_forward(fallback.masked_spec(config),
+                                           fallback.masked_inputs(inputs))
         return out, jnp.swapaxes(lse, 1, 2)
     return _or_fallback(grid, fallback_ids, lambda: _ragged_forward(
         inputs, config, ragged_operands, max_document_length, poison_rows, grid), dense)
@@ -205,10 +219,6 @@ def sdpa_forward(inputs, config, ragged_operands=None, max_document_length=(0, 0
 
 def _ragged_forward(inputs, config, ragged_operands, max_document_length, poison_rows, grid):
     ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
-    if ragged_operands is None:
-        if config.segments:
-            return _segment_masked_forward(config, inputs)
-        return reference_kernel.forward(config, inputs)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     out, lse, q_covered, _ = _ragged_attention(query, key, value, config, ragged_operands,
                                                  max_document_length)
@@ -250,13 +260,16 @@ def _dense_backward(inputs, output, lse, d_output, config):
             fold_heads(dv, kv_heads).astype(inputs["value"].dtype), dbias)
 
 
-def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
-                  max_document_length=(0, 0), poison_rows=None, plan_workspace=True, grid=None,
-                  fallback_ids=False):
+def dense_backward(inputs, output, lse, d_output, config, *, plan_workspace=True):
+    return _dense_backward(inputs, output, lse, d_output, config)
+
+
+def ragged_backward(inputs, output, lse, d_output, config, ragged_operands, *,
+                    max_document_length=(0, 0), poison_rows=None, grid=None,
+                    fallback_ids=False):
     def dense():
-        return _dense_backward(packed_fallback._masked_inputs(inputs), output,
-                               jnp.swapaxes(lse, 1, 2), d_output,
-                               packed_fallback._masked_spec(config))
+        return _dense_backward(fallback.masked_inputs(inputs), output, jnp.swapaxes(lse, 1, 2),
+                               d_output, fallback.masked_spec(config))[:3]
     return _or_fallback(grid, fallback_ids, lambda: _ragged_backward(
         inputs, output, lse, d_output, config, ragged_operands, max_document_length,
         poison_rows, grid), dense)
@@ -265,8 +278,6 @@ def sdpa_backward(inputs, output, lse, d_output, config, ragged_operands=None,
 def _ragged_backward(inputs, output, lse, d_output, config, ragged_operands,
                      max_document_length, poison_rows, grid):
     ragged_operands, max_document_length = _gridded(ragged_operands, max_document_length, grid)
-    if ragged_operands is None:
-        return _dense_backward(inputs, output, lse, d_output, config)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     (dq, dk, dv), q_covered, kv_covered = _ragged_gradients(
         inputs, output, lse, d_output, config, ragged_operands, max_document_length)
@@ -275,5 +286,4 @@ def _ragged_backward(inputs, output, lse, d_output, config, ragged_operands,
             _poisoned(_unwritten(dk, kv_covered, config, inputs, 1).astype(key.dtype),
                       poison_rows),
             _poisoned(_unwritten(dv, kv_covered, config, inputs, 1).astype(value.dtype),
-                      poison_rows),
-            None)
+                      poison_rows))

@@ -1,4 +1,4 @@
-"""Our calls' cuDNN workspace as a result XLA allocates (jax_sdpa/_ffi.py, ffi/sdpa_handlers.cc):
+"""Our calls' cuDNN workspace as a result XLA allocates (jax_sdpa/cudnn/call.py, ffi/call/execution.cc):
 sized while the call is planned, used by the handler in either mode, and a missing or too small
 one replaced by memory the handler finds itself, with the same answers. Skipped without a GPU."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.cudnn import call as cudnn_call
 from conftest import calls_to, random_qkv, relative_error
 from poisoning import poison_outputs
 
@@ -71,7 +71,7 @@ def test_every_workspace_gives_the_same_answers(given, mode, seed_problem, monke
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", mode)
     if given != "planned":
         size = 256 if given == "too_small" else 0
-        monkeypatch.setattr(_ffi, "_planned_workspace_bytes", lambda *args: size)
+        monkeypatch.setattr(cudnn_call, "planned_workspace_bytes", lambda *args: size)
     with poison_outputs():  # traced here: outputs and workspace poisoned first
         step = make_step(d_out)
         text = step.lower(q, k, v).as_text()

@@ -1,4 +1,4 @@
-"""The graph files directory (ffi/graph_files.h) on its own, without a GPU: what is written is
+"""The graph files directory (ffi/graph/graph_files.h) on its own, without a GPU: what is written is
 read back under its key; missing, foreign, stale, truncated or corrupt files read as absent
 (the graph is then built again, tests/test_gpu_graph_files.py), never as a wrong graph."""
 
@@ -7,15 +7,14 @@ import pathlib
 
 import pytest
 
-from jax_sdpa.cudnn import extension as _extension
+from jax_sdpa.cudnn import extension
+from poisoning import devtools_extension
 
 
 @pytest.fixture(scope="module")
 def files():
-    _extension.extension()  # the product extension loads cuDNN first
-    from jax_sdpa import _sdpa_devtools  # noqa: PLC0415
-
-    return _sdpa_devtools
+    extension.extension()  # the product extension loads cuDNN first
+    return devtools_extension()
 
 
 KEY = "config 0,1,4,1024,1024,12,12,64,64, cudnn 91900 frontend 11800 gpu NVIDIA H200 sm90 x132"

@@ -8,34 +8,48 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_sdpa.cudnn import extension as _extension
-from jax_sdpa.cudnn import call as _ffi
 import jax_sdpa
 from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.cudnn import call as cudnn_call
+from jax_sdpa.cudnn import extension
+from jax_sdpa.cudnn.targets import BY_NAME, TARGETS
 from conftest import calls_to, kernel_attention, twins
 
 FORWARD, BACKWARD = "forward", "backward"  # our targets' roles (either twin: conftest.calls_to)
 
 
-def test_extension_loads_and_reports_cudnn():
-    module = _extension.extension()
-    assert set(module.registrations()) == set(_extension.target_names().values())
-    assert set(_extension.target_names()) == {"forward", "backward", "forward_command_buffer",
-                                        "backward_command_buffer"}
+def test_extension_registers_every_declared_target():
+    """The extension registers exactly jax_sdpa/cudnn/targets.py's targets (and their
+    command-buffer twins), each decoding exactly the attributes Python sends it."""
+    module = extension.extension()
+    assert set(module.registrations()) == set(extension.target_names())
+    assert len(extension.target_names()) == 2 * len(TARGETS)
+    decoded = module.target_attributes()
+    for target in TARGETS:
+        assert decoded[target.name] == list(cudnn_call.attribute_names(target))
     assert module.cudnn_header_version() >= 90000
 
 
-def backend_config(text, role):
-    """The attribute names of the first call to our target of `role` in lowered StableHLO."""
-    line = calls_to(text, role)[0]
+def backend_config(text, role, job=None):
+    """(target name, attribute names) of the first call to our target of `role` (and job) in
+    lowered StableHLO."""
+    line = calls_to(text, role, job)[0]
+    name = re.search(r"custom_call @(\w+)\(", line).group(1).removesuffix("_cmdbuf")
     config = line[line.index("mhlo.backend_config = {") + len("mhlo.backend_config = {"):]
-    return set(re.findall(r"(\w+) = ", config.split("}")[0]))
+    return name, set(re.findall(r"(\w+) = ", config.split("}")[0]))
+
+
+def assert_decoded(text, role, job):
+    """The call of our `job` target of `role` sends exactly the attributes its handler decodes."""
+    name, attributes = backend_config(text, role, job)
+    assert name == f"jax_sdpa_{job}_{role}"
+    assert attributes == set(extension.extension().target_attributes()[name])
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
-    """Every attribute Python sends is one the C++ handlers decode, and none is missing: the
-    names come from the handlers' own declaration (ffi/sdpa_handlers.cc)."""
+    """Every attribute Python sends is one the C++ handler of that target decodes, and none is
+    missing; a packed call lowers to the ragged targets, a dense one to the dense targets."""
     monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
     ids = jnp.zeros((2, 64), jnp.int32) if packed else None
@@ -43,10 +57,10 @@ def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
         q, q, q, is_causal=True, query_segment_ids=ids,
         implementation="cudnn").astype(jnp.float32).sum())
     text = jax.jit(grad).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-    expected = set(_extension.extension().attribute_names())
-    for name in (FORWARD, BACKWARD):
-        assert backend_config(text, name) == expected
-    assert ("ragged = true" in text) == packed
+    job = "ragged" if packed else "dense"
+    for role in (FORWARD, BACKWARD):
+        assert_decoded(text, role, job)
+    assert lowers_to_job(text, "dense") != packed
 
 
 def test_poisoned_twins_replace_our_targets_only_while_asked(monkeypatch):
@@ -64,8 +78,19 @@ def test_poisoned_twins_replace_our_targets_only_while_asked(monkeypatch):
     product = names()
     assert product <= {name for role in (FORWARD, BACKWARD) for name in twins(role)}
     with poison_outputs():
-        assert names() == {f"{name}_poisoned" for name in product}
+        assert names() == {re.sub(r"_(forward|backward)", r"_\1_poisoned", name)
+                           for name in product}
     assert names() == product
+
+
+def dense_twins():
+    """({the dense forward and backward}, {their command-buffer twins})."""
+    plain, buffered = zip(twins(FORWARD, "dense"), twins(BACKWARD, "dense"))
+    return set(plain), set(buffered)
+
+
+def lowers_to_job(text, job):
+    return bool(calls_to(text, FORWARD, job) or calls_to(text, BACKWARD, job))
 
 
 def custom_call_names(fn, *args):
@@ -197,9 +222,9 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     x = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")  # the ring's blocks follow the variable
-    plain, buffered = zip(twins(FORWARD), twins(BACKWARD))
-    assert set(buffered) <= custom_call_names(grad, x, x, x)
-    assert not set(plain) & custom_call_names(grad, x, x, x)
+    plain, buffered = dense_twins()
+    assert buffered <= custom_call_names(grad, x, x, x)
+    assert not plain & custom_call_names(grad, x, x, x)
 
 
 def test_command_buffer_targets_follow_the_variable(monkeypatch):
@@ -214,7 +239,7 @@ def test_command_buffer_targets_follow_the_variable(monkeypatch):
         return jax.grad(lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum(),
             argnums=(0, 1, 2))
-    plain, buffered = (set(names) for names in zip(twins(FORWARD), twins(BACKWARD)))
+    plain, buffered = dense_twins()
     for value, names in (("0", plain), ("1", buffered), ("", plain)):
         monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", value)
         for shape in (small, large):
@@ -245,8 +270,7 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
     lengths = jnp.array([256, 200], jnp.int32)
     for kwargs, in_handler in (({}, True), (dict(query_seq_lengths=lengths), False)):
         text = lowered(**kwargs)
-        ragged = [line for line in text.splitlines()
-                  if "custom_call @jax_sdpa" in line and "ragged = true" in line]
+        ragged = calls_to(text, FORWARD, "ragged") + calls_to(text, BACKWARD, "ragged")
         assert len(ragged) == 2
         for line in ragged:
             assert "device_grid = true" in line and "_cmdbuf" not in line
@@ -261,8 +285,8 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
 
 @pytest.mark.parametrize("transform", ["plain", "vmap"])
 def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
-    """paged_attention's cuDNN path: our forward target with paged = true and exactly the
-    attributes the handlers decode; under vmap, one call per element."""
+    """paged_attention's cuDNN path: our paged target with exactly the attributes its handler
+    decodes; under vmap, one call per element."""
     monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
     q = jnp.zeros((3, 2, 8, 64), jnp.bfloat16)
     cache = jnp.zeros((10, 16, 2, 64), jnp.bfloat16)
@@ -277,47 +301,51 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
         attend, args = jax.vmap(attend), tuple(x[None].repeat(2, 0) for x in args)
     text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "cudnn$fmha" not in text
-    assert backend_config(text, FORWARD) == set(_extension.extension().attribute_names())
-    assert "paged = true" in text
+    assert_decoded(text, FORWARD, "paged")
 
 
-def planner_attributes(**changes):
-    """A plain call's attributes as workspace_bytes takes them (numbers by name)."""
-    attributes = dict(CallSpec(0.125).ffi_attributes(), command_buffer=False,
-                      workspace_result=False, **changes)
+def planner_attributes(target, **changes):
+    """A plain call's attributes as workspace_bytes takes them for a target (numbers by name)."""
+    attributes = {name: 0.0 for name in cudnn_call.attribute_names(BY_NAME[target])}
+    attributes.update(scale=0.125, window_left=-1.0, window_right=-1.0, **changes)
     return {name: float(value) for name, value in attributes.items()}
 
 
 def test_workspace_planner_refuses_what_the_handlers_refuse():
     """The extension's workspace planner (what sizes a call's workspace result) checks the
-    operands Python describes as the handlers check buffers, before any GPU is touched."""
-    planner = _extension.extension().workspace_bytes
+    operands Python describes as each target's handler checks buffers, before any GPU is
+    touched."""
+    planner = extension.extension().workspace_bytes
+    dense, backward = "jax_sdpa_dense_forward", "jax_sdpa_dense_backward"
     q = ("bfloat16", [2, 64, 4, 64])
     lengths = ("int32", [2])
-    missing = planner_attributes()
+    missing = planner_attributes(dense)
     del missing["scale"]
     with pytest.raises(RuntimeError, match="the attribute scale is missing"):
-        planner(False, 0, [q, q, q], missing)
+        planner(dense, 0, [q, q, q], missing)
     with pytest.raises(RuntimeError, match="no operand is of dtype float64"):
-        planner(False, 0, [("float64", [2, 64, 4, 64]), q, q], planner_attributes())
+        planner(dense, 0, [("float64", [2, 64, 4, 64]), q, q], planner_attributes(dense))
     with pytest.raises(RuntimeError, match="do not form one attention problem"):
-        planner(False, 0, [q, ("bfloat16", [2, 64, 4, 32]), q], planner_attributes())
+        planner(dense, 0, [q, ("bfloat16", [2, 64, 4, 32]), q], planner_attributes(dense))
     with pytest.raises(RuntimeError, match="expected 2 optional operands, got 0"):
-        planner(False, 0, [q, q, q], planner_attributes(padding=True))
+        planner(dense, 0, [q, q, q], planner_attributes(dense, padding=True))
     with pytest.raises(RuntimeError, match="sequence lengths must be int32"):
-        planner(False, 0, [q, q, q, lengths, ("int32", [3])], planner_attributes(padding=True))
+        planner(dense, 0, [q, q, q, lengths, ("int32", [3])],
+                planner_attributes(dense, padding=True))
     with pytest.raises(RuntimeError, match="expected at least 6 operands"):
-        planner(True, 0, [q, q, q], planner_attributes())
-    with pytest.raises(RuntimeError, match="paged attention has no backward"):
-        planner(True, 0, [q] * 6 + [lengths, lengths, ("int32", [2, 4])],
-                planner_attributes(paged=True, padding=True))
+        planner(backward, 0, [q, q, q], planner_attributes(backward))
+    with pytest.raises(RuntimeError, match="no target is named jax_sdpa_paged_backward"):
+        planner("jax_sdpa_paged_backward", 0, [q] * 6, planner_attributes(dense))
+    with pytest.raises(RuntimeError, match="FP8 operands go to the FP8 targets"):
+        e4m3 = ("float8_e4m3fn", [2, 64, 4, 64])
+        planner(dense, 0, [e4m3] * 3, planner_attributes(dense))
 
 
 def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch, fresh_traces):
     """Lowering for CUDA where no GPU can size the workspace (CI, jax.export on a CPU host):
     no uint8 result; the handlers then take scratch memory per call."""
     monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
-    monkeypatch.setattr(_ffi, "_gpu_ordinal", lambda: None)
+    monkeypatch.setattr(cudnn_call, "gpu_ordinal", lambda: None)
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
         q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum())

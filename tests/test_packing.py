@@ -1,5 +1,5 @@
-"""Packed segment ids on the cuDNN path: the document table (jax_sdpa/packing.py) and the
-packed kernels (jax_sdpa/kernels.py). On a GPU the real ragged calls run; without one, our
+"""Packed segment ids on the cuDNN path: the document table (jax_sdpa/packing/documents.py) and the
+packed kernels (jax_sdpa/packing/). On a GPU the real ragged calls run; without one, our
 ragged FFI calls are replaced by a pure-JAX stand-in that reads the ragged operands as cuDNN
 does (tests/ragged_emulator.py). Every case is checked against the reference path's segment-id
 semantics (which test_properties.py checks against a float64 oracle), values and gradients."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.cudnn import call as _ffi
-from jax_sdpa.kernels import dispatch as kernels
+from jax_sdpa.packing import grids
+from jax_sdpa.reference import empty_rows
 from jax_sdpa.packing import documents as packing
 from jax_sdpa.call import plan as planning
 import ragged_emulator
@@ -24,15 +24,14 @@ B, T, N, K, H = 2, 48, 4, 2, 32
 def _emulate_cudnn(monkeypatch, every_bound):
     """dot_product_attention(implementation="cudnn"): cuDNN on a GPU, with document length
     bounds down to 4 tokens, so that these short rows exercise the choice among bounds
-    (jax_sdpa/kernels.py) too; elsewhere the emulated ragged calls, where each bound is one
+    (jax_sdpa/packing/grids.py) too; elsewhere the emulated ragged calls, where each bound is one
     more emulation for XLA to compile, so only tests asking for every_bound get them all."""
     if planning.device_reason() is None or every_bound:
-        monkeypatch.setattr(kernels, "_SHORTEST_BOUND", 4)
+        monkeypatch.setattr(grids, "SHORTEST_BOUND", 4)
     if planning.device_reason() is None:
         return
     monkeypatch.setattr(planning, "device_reason", lambda: None)
-    monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
-    monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)
+    ragged_emulator.emulate(monkeypatch)
 
 
 @pytest.fixture
@@ -268,7 +267,7 @@ def test_one_lengths_array_for_both_sides_needs_no_row_repair(mask, emulated_cud
     repair would cost passes over the output and value gradients) and stays exact."""
     def no_repair(*args, **kwargs):
         raise AssertionError("a row repair ran")
-    monkeypatch.setattr(packing, "rows_seeing_nothing", no_repair)
+    monkeypatch.setattr(empty_rows, "packed_rows", no_repair)
     lengths = jnp.array([37, 22], jnp.int32)
     ids = jnp.asarray(np.stack(ROWS["padding_id_last"]))
     out, _, _ = check(*qkv(11), query_segment_ids=ids, query_seq_lengths=lengths,

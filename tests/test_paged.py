@@ -12,7 +12,7 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa.cudnn import extension as _extension
-from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.cudnn import paged as paged_target
 from jax_sdpa.call import plan as planning
 import paged_emulator
 
@@ -93,7 +93,7 @@ def path(request, monkeypatch):
         monkeypatch.setattr(planning, "device_reason", lambda: None)
         monkeypatch.setattr(planning, "kernel_reason", lambda *args: None)  # float32 here
         monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)
-        monkeypatch.setattr(_ffi, "sdpa_paged_forward", paged_emulator.sdpa_paged_forward)
+        monkeypatch.setattr(paged_target, "forward", paged_emulator.forward)
     return None  # the default: cuDNN where it can run (soft-cap: the reference, with a warning)
 
 

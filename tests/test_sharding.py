@@ -16,7 +16,6 @@ import pytest
 import jax_sdpa
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_sdpa.cudnn import call as _ffi
 from jax_sdpa.call import plan as planning
 from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.kernels.vjp import dropout_seed
@@ -166,8 +165,7 @@ def test_packed_rows_sharded_over_batch_run_per_device(kernel, stated, monkeypat
         if planning.device_reason() is None:
             pytest.skip("a GPU is present: the real kernel runs instead")
         monkeypatch.setattr(planning, "device_reason", lambda: None)
-        monkeypatch.setattr(_ffi, "sdpa_forward", ragged_emulator.sdpa_forward)
-        monkeypatch.setattr(_ffi, "sdpa_backward", ragged_emulator.sdpa_backward)
+        ragged_emulator.emulate(monkeypatch)
     implementation = "xla" if kernel == "xla" else "cudnn"
     n = len(jax.devices())
     mesh = auto_mesh((n, 1), ("data", "model"))

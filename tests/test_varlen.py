@@ -200,7 +200,7 @@ def test_constant_cu_seqlens_are_not_evaluated_while_compiling(cross):
 @pytest.mark.gpu
 def test_varlen_on_cudnn_runs_our_ragged_targets():
     """On a GPU: our ragged FFI calls run (compiled program), against one-by-one attention."""
-    from conftest import target  # noqa: PLC0415
+    from conftest import lowers_to  # noqa: PLC0415
 
     cu = np.array([0, 300, 301, 1100, 2000], np.int32)
     q, k, v = (tokens(s, 2048, n, jnp.bfloat16) for s, n in ((1, 8), (2, 2), (3, 2)))
@@ -211,7 +211,7 @@ def test_varlen_on_cudnn_runs_our_ragged_targets():
                                          implementation="cudnn")
     text = jax.jit(jax.grad(lambda q: ours(q, k, v).astype(jnp.float32).sum())).lower(
         q).compile().as_text()
-    assert target("forward") in text and target("backward") in text
+    assert lowers_to(text, "forward", "ragged") and lowers_to(text, "backward", "ragged")
     out, vjp = jax.vjp(jax.jit(ours), q, k, v)
     out_ref, vjp_ref = jax.vjp(lambda q, k, v: one_by_one(q, k, v, cu, cu, is_causal=True),
                                q, k, v)

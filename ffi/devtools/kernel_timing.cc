@@ -1,4 +1,4 @@
-#include "kernel_timing.h"
+#include "devtools/kernel_timing.h"
 
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
@@ -11,9 +11,9 @@
 #include <string>
 #include <unordered_map>
 
-#include "device_memory.h"
-#include "sdpa_graph_description.h"
-#include "sdpa_graphs.h"
+#include "common/device_memory.h"
+#include "graph/graph_description.h"
+#include "graph/sdpa_graphs.h"
 
 namespace jax_sdpa {
 namespace {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "check.h"
-#include "sdpa_config.h"
+#include "common/check.h"
+#include "graph/sdpa_config.h"
 
 namespace jax_sdpa {
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "graph_files.h"
-#include "kernel_timing.h"
-#include "poisoned_targets.h"
+#include "graph/graph_files.h"
+#include "devtools/kernel_timing.h"
+#include "devtools/poisoned_targets.h"
 
 namespace nb = nanobind;
 

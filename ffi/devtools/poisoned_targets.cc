@@ -1,8 +1,10 @@
-#include "poisoned_targets.h"
+#include "devtools/poisoned_targets.h"
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,8 +45,12 @@ XLA_FFI_Error* Poisoned(XLA_FFI_CallFrame* frame) {
   return product_handlers[kSlot](frame);
 }
 
-XLA_FFI_Handler* const kPoisoned[kPoisonedSlots] = {Poisoned<0>, Poisoned<1>, Poisoned<2>,
-                                                    Poisoned<3>};
+template <int... kSlots>
+constexpr std::array<XLA_FFI_Handler*, sizeof...(kSlots)> PoisonedHandlers(
+    std::integer_sequence<int, kSlots...>) {
+  return {Poisoned<kSlots>...};
+}
+constexpr auto kPoisoned = PoisonedHandlers(std::make_integer_sequence<int, kPoisonedSlots>());
 
 }  // namespace
 

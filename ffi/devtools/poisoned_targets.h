@@ -10,7 +10,7 @@ namespace jax_sdpa {
 
 // The wrapper of product handler `slot` (0 to kPoisonedSlots - 1), once SetPoisonedTarget has
 // named the handler it wraps.
-constexpr int kPoisonedSlots = 4;
+constexpr int kPoisonedSlots = 16;  // every target and its command-buffer twin
 XLA_FFI_Handler* PoisonedHandler(int slot);
 void SetPoisonedTarget(int slot, XLA_FFI_Handler* product);
 

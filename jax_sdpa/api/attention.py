@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from jax_sdpa.call import inputs as fused_path
 from jax_sdpa.call import plan as planning
-from jax_sdpa.reference.attention import described_attention, large_negative
+from jax_sdpa.reference import empty_rows
+from jax_sdpa.reference.attention import described_attention
 from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
 
 
@@ -119,20 +120,9 @@ def _residual(call: AttentionCall, lse, dtype):
     past a query length, and every row of a batch entry without keys, see no key: they hold
     the fill of such rows (the sink's logit with sinks), whichever path computed them."""
     lse = jax.lax.stop_gradient(lse).swapaxes(-1, -2)  # [B, T, N]
-    batch, q_seq_len = call.query.shape[:2]
-    padded = jnp.zeros((batch, q_seq_len), bool)
-    if call.query_seq_lengths is not None:
-        padded |= jnp.arange(q_seq_len)[None, :] >= call.query_seq_lengths[:, None]
-    if call.key_value_seq_lengths is not None:
-        padded |= (call.key_value_seq_lengths <= 0)[:, None]
-    if call.query_seq_lengths is not None or call.key_value_seq_lengths is not None:
-        lse = jnp.where(padded[:, :, None], empty_row_lse(call.sinks, lse.dtype), lse)
+    q_lengths, kv_lengths = call.query_seq_lengths, call.key_value_seq_lengths
+    if q_lengths is not None or kv_lengths is not None:
+        batch, q_seq_len = call.query.shape[:2]
+        padded = empty_rows.padded_rows(batch, q_seq_len, q_lengths, kv_lengths)
+        lse = jnp.where(padded[:, :, None], empty_rows.residual_fill(call.sinks, lse.dtype), lse)
     return lse.reshape(call.output_shape[:-1]).astype(dtype)
-
-
-def empty_row_lse(sinks, dtype):
-    """The residual of a row that sees no key, broadcastable over a last axis of heads: jax.nn's
-    large negative fill, or with sinks each head's sink logit."""
-    if sinks is None:
-        return jnp.full((), large_negative(), dtype)
-    return jnp.asarray(sinks).astype(dtype)

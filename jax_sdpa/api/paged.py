@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax_sdpa.cudnn import command_buffers
 from jax_sdpa.kernels import dispatch as kernels
 from jax_sdpa.call import plan as planning
-from jax_sdpa.reference import kernel as reference_kernel
+from jax_sdpa.reference import empty_rows
 from jax_sdpa.call import validation
 from jax_sdpa.call.spec import CallSpec
 
@@ -158,7 +158,7 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
     output = _forward_only(functools.partial(_output, spec), query, key_cache, value_cache,
                            page_table, kv_lengths, sinks)
     # Query i of sequence b sits at kv_lengths[b] - T + i; before 0 it sees no key (zeros).
-    seen = reference_kernel.paged_rows_seeing_keys(q_seq_len, kv_lengths)
+    seen = empty_rows.paged_rows_seeing_keys(q_seq_len, kv_lengths)
     return jnp.where(seen[..., None, None], output, jnp.zeros((), output.dtype))
 
 

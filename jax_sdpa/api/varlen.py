@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.api.attention import dot_product_attention, empty_row_lse
+from jax_sdpa.api.attention import dot_product_attention
+from jax_sdpa.reference import empty_rows
 from jax_sdpa.call.validation import int32_array
 
 
@@ -124,5 +125,5 @@ def _clear_sequences_without_keys(cu_kv, q_ids, output, lse, sinks):
     no_keys = jnp.concatenate([cu_kv[1:] == cu_kv[:-1], jnp.zeros((1,), bool)])[q_ids[0]]
     output = jnp.where(no_keys[:, None, None], jnp.zeros((), output.dtype), output)
     if lse is not None:
-        lse = jnp.where(no_keys[:, None], empty_row_lse(sinks, lse.dtype), lse)
+        lse = jnp.where(no_keys[:, None], empty_rows.residual_fill(sinks, lse.dtype), lse)
     return output, lse

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jax_sdpa.kernels import vjp as kernel_vjp
 from jax_sdpa.call.spec import CallSpec
-from jax_sdpa.reference.attention import combined_mask, fill_empty_rows, mask_to_bias, mean_value
+from jax_sdpa.reference import empty_rows
+from jax_sdpa.reference.attention import mask_to_bias
 from jax_sdpa.call.validation import AttentionCall
 
 
@@ -54,64 +55,23 @@ def _inputs(call: AttentionCall, config: CallSpec, mask):
     return inputs
 
 
-def _may_hide_whole_rows(config: CallSpec, mask) -> bool:
-    """Whether some query row may see no key on a dense cuDNN call. A causal or windowed row
-    always sees its diagonal key when cuDNN runs it (T <= S for windows, or padding mode),
-    unless key lengths cut that key off; masks (and dense segment ids) can hide anything.
-    (Packed calls fix their own rows: jax_sdpa/kernels.py.)"""
-    return mask is not None or (config.window_left >= 0 and config.has_lengths)
-
-
-def _rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask):
-    """[B|1, N|1, T] bool: rows whose every key is hidden by the mask, causal, window or the
-    key/value lengths. Without a dense mask the band and the key lengths say it per row,
-    O(T); with one, the mask itself has to be read."""
-    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
-    if mask is None:
-        return _band_rows_seeing_nothing(call, config)
-    keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, local_window_size=config.window(),
-                         key_value_seq_lengths=call.key_value_seq_lengths,
-                         diagonal_offset=config.diagonal_offset(q_seq_len, kv_seq_len))
-    return ~jnp.any(keep, axis=-1)
-
-
-def _band_rows_seeing_nothing(call: AttentionCall, config: CallSpec):
-    """[B|1, 1, T]: rows whose band of keys (the config's, measured from its diagonal) holds no
-    key below the key/value length: an interval per row."""
-    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
-    positions = jnp.arange(q_seq_len)[None, :] + config.diagonal_offset(q_seq_len, kv_seq_len)
-    low = (jnp.zeros_like(positions) if config.window_left < 0 else
-           jnp.maximum(positions - config.window_left, 0))
-    high = jnp.full_like(positions, kv_seq_len)
-    if call.key_value_seq_lengths is not None:
-        high = jnp.minimum(high, call.key_value_seq_lengths[:, None])
-    if config.window_right >= 0:
-        high = jnp.minimum(high, positions + config.window_right + 1)
-    return (high <= low)[:, None, :]
-
-
-def _average_rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask, output,
-                                 lse):
-    """Rows that see no key get the plain average of all values, as the reference path (and
-    jax.nn) give. cuDNN disagrees there: a mask reaches it as a finite bias that in float16
-    does not swamp the scores, and rows emptied by padding are left to the kernel. The where
-    also sends those rows a zero cotangent, so the backward matches the reference's
-    gradient."""
-    _, q_seq_len, q_heads, _ = call.query.shape
+def _average_rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask, output, lse):
+    """Rows that see no key get the plain mean of all values, as the reference path (and
+    jax.nn) give (reference/empty_rows.py). cuDNN disagrees there: a mask reaches it as a
+    finite bias that in float16 does not swamp the scores, and rows emptied by padding are left
+    to the kernel."""
     if call.sinks is not None:
         # The sink takes the whole weight of such rows: the kernels' output is zeros there,
         # as the reference's, and their lse the sink's.
         return output, lse
-    empty = _rows_seeing_nothing(call, config, mask)  # [B|1, N|1, T]
-    average = mean_value(q_heads, call.value)[:, None]  # [B, 1, N, Hv]
-    output, lse = fill_empty_rows(output, lse, empty, average)
-    if call.query_seq_lengths is not None:
-        valid = jnp.arange(q_seq_len)[None, :] < call.query_seq_lengths[:, None]
-        output = output * valid[:, :, None, None].astype(output.dtype)
-    if call.key_value_seq_lengths is not None:
-        output = output * (call.key_value_seq_lengths > 0)[:, None, None, None].astype(
-            output.dtype)
-    return output, lse
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    kv_lengths = call.key_value_seq_lengths
+    if mask is None:
+        empty = empty_rows.band_rows(q_seq_len, kv_seq_len, config, kv_lengths)
+    else:
+        empty = empty_rows.masked_rows(q_seq_len, kv_seq_len, config, mask, kv_lengths)
+    return empty_rows.average_dense_rows(output, lse, empty, call.value,
+                                         call.query_seq_lengths, kv_lengths)
 
 
 def run(call: AttentionCall, config: CallSpec):
@@ -121,6 +81,6 @@ def run(call: AttentionCall, config: CallSpec):
     dense_segments = call.query_segment_ids is not None and not config.segments
     mask = _dense_mask(call, dense_segments)
     output, lse = kernel_vjp.attention(config, _inputs(call, config, mask))
-    if not config.segments and _may_hide_whole_rows(config, mask):
+    if not config.segments and empty_rows.dense_rows_may_see_nothing(config, mask):
         output, lse = _average_rows_seeing_nothing(call, config, mask, output, lse)
     return output, lse

@@ -17,39 +17,45 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 # Every array a kernel call can take, in the order the FFI and the sharding rules list them.
 INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
           "kv_segment_ids", "dropout_seed", "sinks", "page_table")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 
-# The fp8_gradients attribute: ffi/sdpa_config.h's ElementType of the FP8 backward's format.
-_FP8_ELEMENT_TYPES = {"": 0, "e4m3": 2, "e5m2": 3}
 
-# The graph's attributes that are CallSpec's own fields under the same names
-# (ffi/attribute_list.h): a new scalar option is a field here and a name. Each attribute's type
-# follows its field's: float -> float32, int -> int64, bool -> bool (the C++ list's types).
-_OWN_ATTRIBUTES = ("scale", "logits_soft_cap", "window_left", "window_right", "bottom_right",
-                   "deterministic", "dropout")
-_ATTRIBUTE_TYPES = {"float": np.float32, "int": np.int64, "bool": bool}
+
+# The FFI targets of each job by handler (jax_sdpa/cudnn/targets.py), for the graph options.
+_DENSE = ("DenseForward", "DenseBackward")
+_RAGGED = ("RaggedForward", "RaggedBackward")
+_PAGED = ("PagedForward",)
+_FP8 = ("Fp8Forward", "Fp8Backward")
+_BACKWARDS = ("DenseBackward", "RaggedBackward")
+
+
+def graph_option(targets, **field_options):
+    """A field that cuDNN's graph takes: an FFI attribute of these targets (by handler) under
+    the field's name, and a field of SdpaConfig's (ffi/graph/sdpa_config.h, generated from this
+    metadata by cmake/generate_targets.py): a new scalar option of the graph is declared here
+    alone."""
+    return dataclasses.field(metadata={"graph_option": targets}, **field_options)
 
 
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
-    scale: float
+    scale: float = graph_option(_DENSE + _RAGGED + _PAGED + _FP8)
     # The causal/window band: query i sees keys j with i - window_left <= j <= i + window_right
     # (local_window_size's inclusive bounds), measured from the top-left diagonal, or from the
     # bottom-right one with bottom_right (set only where T != S); -1: no bound. Causal is
     # window_right = 0. Planning may move a bottom-right band onto the top-left diagonal (the
     # same band for these T and S). (cuDNN's left bound is exclusive: the graph builder alone
     # translates, ffi/sdpa_graphs.cc.)
-    window_left: int = -1
-    window_right: int = -1
-    bottom_right: bool = False
-    deterministic: bool = False
-    dropout: float = 0.0  # probability of dropping a weight; > 0 needs a dropout_seed input
+    window_left: int = graph_option(_DENSE + _RAGGED + _PAGED, default=-1)
+    window_right: int = graph_option(_DENSE + _RAGGED + _PAGED + _FP8, default=-1)
+    bottom_right: bool = graph_option(_DENSE + _PAGED, default=False)
+    deterministic: bool = graph_option(_BACKWARDS, default=False)
+    # The probability of dropping a weight; > 0 needs a dropout_seed input.
+    dropout: float = graph_option(_DENSE + _RAGGED, default=0.0)
     # "xla" (the reference: a call as validated) or "cudnn", as planned.
     implementation: str = "cudnn"
     # The backward's kernel, when it differs from the forward's (a cuDNN forward whose backward
@@ -76,7 +82,7 @@ class CallSpec:
     # rows breaking it poisoned with NaN; () when not stated (kernels.py).
     max_document_length: tuple[int, ...] = ()
     # Scaled scores become cap * tanh(scores / cap) before the bias and masks; 0: none.
-    logits_soft_cap: float = 0.0
+    logits_soft_cap: float = graph_option(_DENSE, default=0.0)
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
     # the sink's share of each row (jax_sdpa/sink_softmax.py); cuDNN itself never sees it.
     has_sinks: bool = False
@@ -150,31 +156,9 @@ class CallSpec:
             return "tails" if self.segments == "self" and self.same_lengths else "all"
         return "tails" if self.window_left < 0 and not self.bottom_right else "all"
 
-    def ffi_attributes(self, *, ragged: bool = False, max_document_length=(0, 0),
-                       poison_rows: bool = False, device_grid: bool = False,
-                       fallback_ids: bool = False) -> dict:
-        """The attributes of our FFI forward/backward call (ffi/attribute_list.h), all but
-        command_buffer and workspace_result, which jax_sdpa/_ffi.py adds per call. ragged: the
-        call runs packed documents (lengths per document, offsets); max_document_length:
-        (queries, keys) no document is longer than, 0 for the rows' lengths; poison_rows: an int32
-        [B] operand names rows whose first token of every result the handler sets to NaN;
-        device_grid: an int32 [3] operand after the offsets names the ragged grid to run;
-        fallback_ids: the segment ids come before the offsets, and a grid of 0 documents runs
-        the dense call masking them instead (ffi/call_plan.h)."""
-        zero_fill = self.zero_fill(ragged=ragged)
-        attributes = {name: _ATTRIBUTE_TYPES[_FIELD_TYPES[name]](getattr(self, name))
-                      for name in _OWN_ATTRIBUTES}
-        attributes.update(
-            padding=bool(self.has_lengths or ragged), ragged=bool(ragged),
-            has_bias=bool(self.has_bias), bias_grad=bool(self.has_bias and self.bias_grad),
-            max_document_length_q=np.int64(max_document_length[0]),
-            max_document_length_kv=np.int64(max_document_length[1]), paged=self.paged,
-            fp8_gradients=np.int64(_FP8_ELEMENT_TYPES[self.fp8]),
-            zero_outputs=zero_fill == "all", zero_tails=zero_fill == "tails",
-            poison_rows=bool(poison_rows), segment_mask=bool(self.segments) and not ragged,
-            device_grid=bool(device_grid), fallback_ids=bool(fallback_ids))
-        return attributes
 
-
-# Each field's annotation by name (strings: this module postpones annotations).
-_FIELD_TYPES = {field.name: field.type for field in dataclasses.fields(CallSpec)}
+def graph_options(handler: str) -> dict:
+    """{name: kind} ("float", "int" or "bool", the field's type) of the graph options the FFI
+    target of this handler takes, in field order."""
+    return {field.name: str(field.type) for field in dataclasses.fields(CallSpec)
+            if handler in field.metadata.get("graph_option", ())}

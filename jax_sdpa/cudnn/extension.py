@@ -11,6 +11,8 @@ import os
 
 import jax
 
+from jax_sdpa.cudnn.targets import TARGETS
+
 GRAPH_CACHE_SIZE_VARIABLE = "JAX_SDPA_GRAPH_CACHE_SIZE"
 
 
@@ -71,10 +73,9 @@ def extension_load_error() -> str | None:
 CALL_STATE_TYPE = "jax_sdpa_call_state"
 
 
-def target_names() -> dict:
-    """Our FFI targets by role (forward, backward, and their command-buffer twins), as the
-    extension registers them."""
-    return dict(extension().target_names())
+def target_names() -> list:
+    """Every FFI target's name, and its command-buffer twin's (jax_sdpa/cudnn/targets.py)."""
+    return [name for target in TARGETS for name in (target.name, target.command_buffer_name)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +98,7 @@ def export_disabled_checks() -> list:
     jax.export.export(jax.jit(f), disabled_checks=jax_sdpa.export_disabled_checks())."""
     from jax import export  # noqa: PLC0415
 
-    return [export.DisabledSafetyCheck.custom_call(name) for name in target_names().values()]
+    return [export.DisabledSafetyCheck.custom_call(name) for name in target_names()]
 
 
 def cudnn_version() -> int | None:

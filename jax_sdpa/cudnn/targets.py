@@ -77,7 +77,7 @@ TARGETS = (
     Target("jax_sdpa_ragged_backward", "RaggedBackward", (*_RAGGED_OPERANDS, *_BACKWARD_INPUTS),
            _RAGGED_OPTIONAL, _GRADIENTS, (_WORKSPACE,), _RAGGED_ATTRIBUTES),
     Target("jax_sdpa_paged_forward", "PagedForward",
-           ("query", "key_pages", "value_pages", "q_lengths", "kv_lengths", "page_table"), (),
+           ("query", "key", "value", "q_lengths", "kv_lengths", "page_table"), (),
            ("output", "stats"), (_WORKSPACE,), _RECORDING),
     Target("jax_sdpa_fp8_forward", "Fp8Forward", ("query", "key", "value", "scales"),
            _FP8_OPTIONAL, ("output", "stats", "amaxes"), (_WORKSPACE,), _FP8_ATTRIBUTES),

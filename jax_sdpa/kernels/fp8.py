@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sdpa.cudnn import call as _ffi
+from jax_sdpa.cudnn import fp8 as fp8_target
 from jax_sdpa.reference import fp8 as fp8_reference
 from jax_sdpa.reference import fp8_scaling as scaling
 
@@ -37,8 +37,8 @@ def _forward_factors(scales):
 def forward(config, inputs):
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     scales = scaling.forward_scales(query, key, value)
-    out8, lse = _ffi.sdpa_forward(_quantized(inputs, scales), config,
-                                    fp8_scales=scale_rows(_forward_factors(scales)))[:2]
+    out8, lse, _ = fp8_target.forward(_quantized(inputs, scales), config,
+                                      scale_rows(_forward_factors(scales)))
     return scaling.dequantize(out8, scales.o, query.dtype), lse
 
 
@@ -52,9 +52,9 @@ def backward(config, inputs, output, lse, d_output):
     back = scaling.backward_scales(query, key, value, d_output, config.scale, fmt)
     factors = _forward_factors(forward_scales) + [
         1 / forward_scales.o, 1 / back.d_o, 1 / back.d_s, back.dq, back.dk, back.dv, back.d_s]
-    dq, dk, dv, _, _ = _ffi.sdpa_backward(
+    dq, dk, dv, _ = fp8_target.backward(
         _quantized(inputs, forward_scales), scaling.quantize(output, forward_scales.o, "e4m3"),
-        lse, scaling.quantize(d_output, back.d_o, fmt), config, fp8_scales=scale_rows(factors))
+        lse, scaling.quantize(d_output, back.d_o, fmt), config, scale_rows(factors))
     return (scaling.dequantize(dq, back.dq, query.dtype),
             scaling.dequantize(dk, back.dk, key.dtype),
             scaling.dequantize(dv, back.dv, value.dtype), None)

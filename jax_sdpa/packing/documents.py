@@ -5,7 +5,7 @@ own batch entry, which is only the same function when every document is one cont
 tokens (and, with a causal band or window, starts at the same position among the queries and
 the keys). That cannot be known at trace time, so the table carries `ok`: whether every row of
 this call satisfies it, with at most `max_segments` documents per row. Where it does not, the
-caller computes the segment-id semantics another way (jax_sdpa/kernels.py). Every array here is
+caller computes the segment-id semantics another way (ragged.py, fallback.py). Every array here is
 O(tokens): no [T, S] mask is ever formed.
 """
 
@@ -105,25 +105,6 @@ def documents(q_ids, kv_ids, *, max_segments, q_lengths=None, kv_lengths=None,
     q_len = jnp.where(kv_len > 0, q_len, 0)
     q_slot = jnp.where(q_runs.slot < max_segments, q_runs.slot, -1)
     return Documents(q_runs.start, q_len, kv_start, kv_len, q_slot, row_ok, jnp.all(row_ok))
-
-
-def rows_seeing_nothing(docs: Documents, window_left=-1, window_right=-1, q_lengths=None):
-    """bool [B, T]: query tokens inside a document (and before their row's query length) whose
-    band of keys within the document is empty. The band is CallSpec's (inclusive bounds,
-    -1: none), measured from the document's first token, keys aligned with queries."""
-    positions = jnp.arange(docs.q_slot.shape[1], dtype=jnp.int32)[None, :]
-    slot = jnp.maximum(docs.q_slot, 0)
-    take = lambda x: jnp.take_along_axis(x, slot, axis=1)  # noqa: E731
-    q_start, kv_start, kv_len = take(docs.q_start), take(docs.kv_start), take(docs.kv_len)
-    relative = positions - q_start
-    low = kv_start if window_left < 0 else jnp.maximum(kv_start, kv_start + relative - window_left)
-    high = kv_start + kv_len
-    if window_right >= 0:
-        high = jnp.minimum(high, kv_start + relative + window_right + 1)
-    inside = docs.q_slot >= 0
-    if q_lengths is not None:
-        inside &= positions < q_lengths[:, None]
-    return inside & (high <= low)
 
 
 def ragged_operands(docs: Documents, q_heads, kv_heads, head_dim, head_dim_v, kv_seq_len,

@@ -18,56 +18,44 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_sdpa.cudnn import call as _ffi
-from jax_sdpa.reference.attention import fill_empty_rows, large_negative, mean_value, mean_value_gradient
+from jax_sdpa.cudnn import dense
+from jax_sdpa.reference import empty_rows
+from jax_sdpa.reference.attention import large_negative
 
 
-def _masked_spec(config):
+def masked_spec(spec):
     """The dense call: the packed call's masks and dropout, with its ids as a segment mask."""
-    return dataclasses.replace(config, segments="cross", max_segments=0,
+    return dataclasses.replace(spec, segments="cross", max_segments=0,
                                max_document_length=(), has_sinks=False)
 
 
-def _masked_inputs(inputs):
+def masked_inputs(inputs):
     """The dense call's operands: keys carry their own ids ("cross") or the queries'."""
     return dict(inputs, kv_segment_ids=inputs.get("kv_segment_ids", inputs["q_segment_ids"]))
 
 
 def _averaged_rows(inputs):
-    """bool [B, 1, T]: rows that hold the mean of all values when they see no key (within the
-    query lengths, in an entry with keys); other such rows are zeros."""
     batch, q_seq_len = inputs["query"].shape[:2]
-    rows = jnp.broadcast_to(jnp.arange(q_seq_len)[None, :], (batch, q_seq_len))
-    q_lengths, kv_lengths = inputs.get("q_lengths"), inputs.get("kv_lengths")
-    if q_lengths is None:
-        return jnp.ones((batch, 1, q_seq_len), bool)
-    averaged = rows < q_lengths[:, None]
-    if kv_lengths is not None:
-        averaged &= (kv_lengths > 0)[:, None]
-    return averaged[:, None, :]
+    return empty_rows.averaged_rows(batch, q_seq_len, inputs.get("q_lengths"),
+                                    inputs.get("kv_lengths"))
 
 
-def _empty_rows(lse, averaged):
-    """bool [B, 1, T]: rows that see no key. cuDNN leaves those within the lengths non-finite
-    (every score -inf; the mask is the same for every head); rows outside them it may not
-    write at all."""
-    return ~jnp.isfinite(lse[:, :1]) | ~averaged
-
-
-def forward(config, inputs):
+def forward(spec, inputs):
     """(output [B, T, N, Hv], lse float32 [B, N, T]) of a packed call's inputs (no sinks)."""
-    output, lse = _ffi.sdpa_forward(_masked_inputs(inputs), _masked_spec(config),
-                                    plan_workspace=False)
+    output, lse = dense.forward(masked_inputs(inputs), masked_spec(spec), plan_workspace=False)
     averaged = _averaged_rows(inputs)
-    average = mean_value(inputs["query"].shape[2], inputs["value"])[:, None]  # [B, 1, N, Hv]
-    output, lse = fill_empty_rows(output, lse, _empty_rows(lse, averaged), average)
+    # Rows that see no key: cuDNN leaves those within the lengths non-finite (every score
+    # -inf; the mask is the same for every head); rows outside them it may not write at all.
+    empty = ~jnp.isfinite(lse[:, :1]) | ~averaged
+    average = empty_rows.mean_value(inputs["query"].shape[2], inputs["value"])[:, None]
+    output, lse = empty_rows.fill(output, lse, empty, average)
     zeros = jnp.swapaxes(~averaged, 1, 2)[..., None]  # [B, T, 1, 1]
     return jnp.where(zeros, jnp.zeros((), output.dtype), output), lse
 
 
-def backward(config, inputs, output, lse, d_output):
-    """(dq, dk, dv, None): forward's gradients, given its output and lse (a sink attention's,
-    as every cuDNN backward takes them: jax_sdpa/sink_softmax.py)."""
+def backward(spec, inputs, output, lse, d_output):
+    """(dq, dk, dv): forward's gradients, given its output and lse (a sink attention's, as
+    every cuDNN backward takes them: jax_sdpa/kernels/sinks.py)."""
     value = inputs["value"]
     # Rows that see no key hold the empty row's lse (forward's fill): they are not cuDNN's to
     # grade, and that huge negative must not reach its exp(scores - lse): 0 there, with no
@@ -75,13 +63,13 @@ def backward(config, inputs, output, lse, d_output):
     # sinks the lse is the sink attention's and the caller has cleared those rows' cotangent.)
     averaged = _averaged_rows(inputs)
     empty = (lse[:, :1] <= 0.5 * large_negative()) | ~averaged
-    empty_rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, 1, 1]
+    empty_rows_btn = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, 1, 1]
     d_output = d_output.astype(output.dtype)
-    dq, dk, dv, _ = _ffi.sdpa_backward(
-        _masked_inputs(inputs), output, jnp.where(empty, 0.0, lse),
-        jnp.where(empty_rows, jnp.zeros((), d_output.dtype), d_output), _masked_spec(config),
+    dq, dk, dv, _ = dense.backward(
+        masked_inputs(inputs), output, jnp.where(empty, 0.0, lse),
+        jnp.where(empty_rows_btn, jnp.zeros((), d_output.dtype), d_output), masked_spec(spec),
         plan_workspace=False)
     mean_rows = jnp.swapaxes(empty & averaged, 1, 2)[..., None]
-    dv_mean = mean_value_gradient(inputs["query"].shape[2], value,
-                                  jnp.where(mean_rows, d_output, 0))
-    return dq, dk, (dv.astype(jnp.float32) + dv_mean).astype(value.dtype), None
+    dv_mean = empty_rows.mean_value_gradient(inputs["query"].shape[2], value,
+                                             jnp.where(mean_rows, d_output, 0))
+    return dq, dk, (dv.astype(jnp.float32) + dv_mean).astype(value.dtype)

@@ -31,31 +31,6 @@ def fold_heads(x, kv_heads):
     return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim).sum(3)
 
 
-def mean_value(q_heads, value):
-    """[B, N, Hv] float32: each of the q_heads query heads' plain average of all values [B, S,
-    K, Hv], what a row that sees no key gives (jax.nn's convention: all its scores equal)."""
-    groups = q_heads // value.shape[2]
-    return jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
-
-
-def mean_value_gradient(q_heads, value, d_output):
-    """d/dV [B, S, K, Hv] float32 of rows that are the mean of all values (mean_value), given
-    their cotangents d_output [B, T, N, Hv] (zero elsewhere): every key alike."""
-    batch, kv_seq_len, kv_heads, head_dim_v = value.shape
-    per_head = jnp.sum(d_output.astype(jnp.float32), axis=1)  # [B, N, Hv]
-    per_kv_head = per_head.reshape(batch, kv_heads, q_heads // kv_heads, head_dim_v).sum(2)
-    return jnp.broadcast_to((per_kv_head / kv_seq_len)[:, None], value.shape)
-
-
-def fill_empty_rows(output, lse, empty, fill):
-    """output [B, T, N, Hv] and lse [B, N, T] with the rows `empty` (bool, broadcastable to
-    [B, N, T]) holding `fill` (broadcastable to [B, T, N, Hv]: 0, or the average of the values)
-    and the lse of a row that sees no key."""
-    empty_btn = jnp.swapaxes(empty, -1, -2)[..., None]  # [B|1, T, N|1, 1]
-    output = jnp.where(empty_btn, jnp.asarray(fill).astype(output.dtype), output)
-    return output, jnp.where(empty, large_negative(), lse)
-
-
 def large_negative() -> float:
     # As jax.nn: finite, so that a fully masked row gives a uniform softmax instead of NaN.
     return -0.7 * float(np.finfo(np.float32).max)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa.reference import fp8 as fp8_reference
+from jax_sdpa.reference import paged
 from jax_sdpa.reference.attention import attention_reference, spec_options
 
 # Query rows per block of the blockwise form: its float32 scores take block x S x heads x batch
@@ -45,43 +46,10 @@ def _attend(config, inputs, query, *, first_row=0, q_segment_ids=None, q_lengths
         **spec_options(config, inputs["query"].shape[1], key.shape[1], first_row))
 
 
-def paged_rows_seeing_keys(q_seq_len, kv_lengths):
-    """bool [B, T]: a paged call's queries at a position >= 0 (query i of sequence b sits at
-    kv_lengths[b] - T + i); the others see no key."""
-    return (kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]) >= 0
-
-
-def _gathered(cache, page_table):
-    """[B, max_pages * page_size, K, H]: each sequence's pages in order. Entries past a
-    sequence's last page may hold any value: clamped into the pool, their keys are masked."""
-    pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
-    gathered = cache[pages]  # [B, max_pages, page_size, K, H]
-    return gathered.reshape(gathered.shape[0], -1, *gathered.shape[3:])
-
-
-def _paged_forward(config, inputs):
-    """A paged call: each sequence's pages gathered, its band measured from its own lengths
-    (query i at kv_lengths[b] - T + i; the config's bounds, inclusive)."""
-    query, kv_lengths = inputs["query"], inputs["kv_lengths"]
-    key = _gathered(inputs["key"], inputs["page_table"])
-    value = _gathered(inputs["value"], inputs["page_table"])
-    q_seq_len = query.shape[1]
-    position = kv_lengths[:, None] - q_seq_len + jnp.arange(q_seq_len)[None, :]  # [B, T]
-    keys = jnp.arange(key.shape[1])[None, None, :]
-    seen = keys < kv_lengths[:, None, None]
-    if config.window_right >= 0:
-        seen &= keys <= position[..., None] + config.window_right
-    if config.window_left >= 0:
-        seen &= keys >= position[..., None] - config.window_left
-    return attention_reference(query, key, value, None, seen[:, None], scale=config.scale,
-                               logits_soft_cap=config.logits_soft_cap or None,
-                               sinks=inputs.get("sinks"))
-
-
 def forward(config, inputs):
     """(output [B, T, N, Hv], lse float32 [B, N, T]), as the cuDNN kernel's forward."""
     if config.paged:
-        return _paged_forward(config, inputs)
+        return paged.forward(config, inputs)
     if config.fp8:
         return fp8_reference.forward(config, inputs)
     return _attend(config, inputs, inputs["query"], q_segment_ids=inputs.get("q_segment_ids"),

@@ -1,0 +1,78 @@
+// The dense targets: attention over [..., batch, seq, heads, dim] rows, with a bias, sequence
+// lengths, segment ids masked inside cuDNN's kernel, dropout, soft-capping and a diagonal band.
+#include <utility>
+
+#include "targets/handler.h"
+#include "targets/planners.h"
+
+namespace jax_sdpa {
+namespace {
+
+bool BiasGradient(const DenseForwardAttributes&) { return false; }
+bool BiasGradient(const DenseBackwardAttributes& attributes) { return attributes.bias_grad; }
+
+template <typename Attributes>
+ffi::ErrorOr<CallPlan> PlanDense(Direction direction, int32_t device, CallOperands operands,
+                                 const Attributes& attributes) {
+  CallPlan plan;
+  plan.operands = std::move(operands);
+  const CallOperands& in = plan.operands;
+  SdpaConfig& c = plan.config;
+  TargetTraits<Attributes>::CopyGraphOptions(attributes, c);
+  JAX_SDPA_ASSIGN_OR_RETURN(AttentionShape shape, ReadAttentionShape(direction, device, in, c));
+  if (IsFp8(c.element_type)) {
+    return Failure{InvalidArgument("FP8 operands go to the FP8 targets")};
+  }
+  c.padding = attributes.padding;
+  c.segment_mask = attributes.segment_mask;
+  const int64_t rows = shape.vmapped * shape.batch;
+  if (c.padding) JAX_SDPA_RETURN_IF_ERROR(CheckLengths(in, rows, "batch"));
+  if (c.segment_mask) JAX_SDPA_RETURN_IF_ERROR(CheckSegmentIds(in, c, rows));
+  if (c.dropout > 0) JAX_SDPA_RETURN_IF_ERROR(CheckDropoutSeed(in, shape.vmapped));
+  // The graph runs once per vmapped slice when a slice's operands cannot be folded into one
+  // batch: a bias shared by the slice's batch (no single batch stride says that), or a dropout
+  // seed per slice.
+  const size_t rank = shape.rank;
+  bool shared_bias = in.bias && in.bias->dimensions()[rank - 4] == 1 && shape.batch > 1;
+  bool per_slice = shape.vmapped > 1 && (shared_bias || c.dropout > 0);
+  plan.repeats = per_slice ? shape.vmapped : 1;
+  c.batch = per_slice ? shape.batch : rows;
+  if (in.bias) {
+    auto bd = in.bias->dimensions();
+    auto qd = in.query->dimensions();
+    JAX_SDPA_ASSIGN_OR_RETURN(ElementType bias_type, ReadElementType(*in.bias, "bias"));
+    int64_t bias_vmapped = 1;
+    for (size_t i = 0; bd.size() == rank && i + 4 < rank; ++i) bias_vmapped *= bd[i];
+    if (bd.size() != rank || bias_type != c.element_type || bias_vmapped != shape.vmapped ||
+        (bd[rank - 4] != 1 && bd[rank - 4] != shape.batch) ||
+        (bd[rank - 3] != 1 && bd[rank - 3] != c.q_heads) || bd[rank - 2] != c.q_seq_len ||
+        bd[rank - 1] != c.kv_seq_len) {
+      return Failure{InvalidArgument("bias " + DimsToString(bd) +
+                                     " must be [1|batch, 1|heads, q_seq, kv_seq] in the inputs' "
+                                     "dtype, for query " + DimsToString(qd))};
+    }
+    c.bias_heads = bd[rank - 3];
+    c.bias_batch = per_slice ? bd[rank - 4] : bd[rank - 4] * shape.vmapped;
+    c.bias_grad = BiasGradient(attributes);
+  }
+  plan.zero_outputs = attributes.zero_outputs;
+  plan.zero_tails = attributes.zero_tails;
+  return plan;
+}
+
+}  // namespace
+
+ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
+                            const DenseForwardAttributes& attributes) {
+  return PlanDense(Direction::kForward, device, std::move(operands), attributes);
+}
+
+ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
+                            const DenseBackwardAttributes& attributes) {
+  return PlanDense(Direction::kBackward, device, std::move(operands), attributes);
+}
+
+JAX_SDPA_DEFINE_HANDLER(DenseForward, DENSE_FORWARD, RunForward)
+JAX_SDPA_DEFINE_HANDLER(DenseBackward, DENSE_BACKWARD, RunBackward)
+
+}  // namespace jax_sdpa

@@ -1,0 +1,92 @@
+"""What cuDNN's dense SDPA graphs take: float16/bfloat16, head dims, the diagonal band,
+soft-capping (a score modifier) and the sizes their backward refuses."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_sdpa.cudnn import extension
+from jax_sdpa.limits import device, packed
+
+CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+MAX_HEAD_DIM = 256
+MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
+MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
+
+
+def kernel_reason(dtype, head_dims) -> str | None:
+    """None if cuDNN's kernels take this dtype and these (name, head_dim) pairs, else why not."""
+    if dtype not in CUDNN_DTYPES:
+        return f"dtype {dtype} is not float16 or bfloat16"
+    for name, head_dim in head_dims:
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            return f"{name} {head_dim} is not a multiple of 8 between 8 and {MAX_HEAD_DIM}"
+    return None
+
+
+def soft_cap_reason(logits_soft_cap) -> str | None:
+    """None if cuDNN's forward can soft-cap the scores (or there is no cap), else why not."""
+    if logits_soft_cap is None or device.device_reason() is not None:
+        return None
+    if extension.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
+        return (f"logits_soft_cap needs cuDNN >= 9.4 (the loaded cuDNN is "
+                f"{extension.cudnn_version()})")
+    return None
+
+
+def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap=None,
+                    bias_grad=False) -> str | None:
+    """None if cuDNN's backward takes these sizes on this device, else why not (the limits the
+    cuDNN frontend checks when it builds the backward graph, and what we measured wrong)."""
+    if q_seq_len == 1 and kv_seq_len == 1:
+        return "cuDNN's backward does not support one query and one key (T = S = 1)"
+    if logits_soft_cap is not None and bias_grad:
+        # Measured on an H200 with cuDNN 9.19: dq, dk, dv right, dbias not.
+        return ("cuDNN's bias gradient under logits_soft_cap (a score modifier) was wrong on "
+                "cuDNN 9.19")
+    capability = device.gpu_capability()
+    if (logits_soft_cap is not None and capability is not None and
+            capability < MIN_SOFT_CAP_BACKWARD_CAPABILITY):
+        return (f"cuDNN's backward with logits_soft_cap needs compute capability 9.0 or newer "
+                f"(got {capability[0]}.{capability[1]})")
+    if capability is None or capability[0] == 9:
+        return None
+    if capability[0] == 10 and (head_dim, head_dim_v) == (192, 128):
+        return None
+    if max(head_dim, head_dim_v) > 128:
+        return (f"cuDNN's backward takes head dims up to 128 on compute capability "
+                f"{capability[0]}.{capability[1]} (got {head_dim} and {head_dim_v})")
+    return None
+
+
+def diagonal_band(call) -> tuple[dict | None, str | None]:
+    """(the band cuDNN runs for this validated call, as CallSpec fields, None) or (None, why
+    cuDNN cannot run it).
+
+    A bottom-right band is shifted onto the top-left diagonal where the shifted bounds stay
+    valid (this also works with a bias and dropout, which cuDNN's own bottom-right alignment
+    refuses); otherwise cuDNN's bottom-right alignment is used where it applies."""
+    spec = call.spec
+    left, right = spec.window_left, spec.window_right
+    if not spec.banded:
+        return dict(window_left=-1, window_right=-1, bottom_right=False), None
+    q_seq_len = call.query.shape[1]
+    kv_seq_len = call.key.shape[1]
+    offset = call.diagonal_offset
+    shifted_left = left - offset if left >= 0 else -1
+    shifted_right = right + offset if right >= 0 else -1
+    if (left < 0 or shifted_left >= 0) and (right < 0 or shifted_right >= 0):
+        band = dict(window_left=shifted_left, window_right=shifted_right, bottom_right=False)
+    elif (call.bias is None and call.mask is None and spec.dropout == 0.0 and
+          not spec.has_lengths and not spec.segments and q_seq_len <= kv_seq_len):
+        band = dict(window_left=left, window_right=right, bottom_right=True)
+    else:
+        return None, ("causal_alignment='bottom_right' with these sequence lengths "
+                      f"(T={q_seq_len}, S={kv_seq_len}) and window needs a band cuDNN does not "
+                      "offer together with a bias, mask, dropout, segment ids or sequence "
+                      "lengths")
+    if band["window_left"] >= 0 and q_seq_len > kv_seq_len and not spec.has_lengths and not (
+            spec.segments and packed.ragged_reason(call) is None):
+        return None, (f"cuDNN's sliding window needs T <= S without sequence lengths (T="
+                      f"{q_seq_len}, S={kv_seq_len})")
+    return band, None

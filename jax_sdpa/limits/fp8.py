@@ -1,0 +1,63 @@
+"""What FP8 attention takes, in one place: the options (is_causal top-left, sequence lengths,
+GQA/MQA; nothing else, what cuDNN's FP8 graphs run), and the sizes and devices cuDNN's FP8
+forward and backward run (elsewhere the FP8 reference computes the same roundings)."""
+
+from __future__ import annotations
+
+from jax_sdpa.cudnn import extension
+from jax_sdpa.limits import device
+
+MAX_HEAD_DIM = 256
+MIN_FP8_CUDNN_VERSION = 90100  # cuDNN's FP8 SDPA graphs, forward and backward
+BROKEN_FP8_CUDNN_VERSION = 91000  # the frontend refuses FP8 SDPA on exactly cuDNN 9.10.0
+MIN_FP8_COMPUTE_CAPABILITY = (9, 0)  # Hopper: FP8 tensor cores
+MIN_FP8_BACKWARD_SEQ_LEN = 64
+
+
+def options_reason(options: dict, *, subject="fp8=True") -> str | None:
+    """None if FP8 attention takes these options ({name: value}: None or its default means not
+    given), else why not."""
+    defaults = dict(causal_alignment="top_left", dropout_rate=0.0)
+    given = [name for name, value in options.items()
+             if value is not None and value != defaults.get(name, None)]
+    if given:
+        return (f"{subject} takes is_causal (top-left) and sequence lengths, not "
+                f"{', '.join(given)}")
+    return None
+
+
+def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
+    """None if cuDNN's FP8 forward runs these sizes on this device, else why not."""
+    if head_dim != head_dim_v or head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return (f"cuDNN's FP8 attention takes equal query and value head dims, multiples of 16 "
+                f"up to {MAX_HEAD_DIM} (got {head_dim} and {head_dim_v})")
+    if q_seq_len == 1:
+        # Measured on an H200 with cuDNN 9.19: "No valid engine configs" for S = 1 to 1024.
+        return f"cuDNN's FP8 forward has no engine for a single query (T = 1, S = {kv_seq_len})"
+    if device.device_reason() is not None:
+        return None
+    capability = device.capability()
+    if capability is not None and capability < MIN_FP8_COMPUTE_CAPABILITY:
+        return (f"cuDNN's FP8 attention needs compute capability 9.0 (Hopper) or newer (got "
+                f"{capability[0]}.{capability[1]})")
+    version = extension.cudnn_version()
+    if version < MIN_FP8_CUDNN_VERSION or version == BROKEN_FP8_CUDNN_VERSION:
+        return (f"cuDNN's FP8 attention needs cuDNN >= 9.1, not 9.10.0 (the loaded cuDNN is "
+                f"{version})")
+    return None
+
+
+def fp8_backward_reason(q_seq_len, kv_seq_len, head_dim) -> str | None:
+    """None if cuDNN's FP8 backward takes these sizes on this device, else why not."""
+    if min(q_seq_len, kv_seq_len) < MIN_FP8_BACKWARD_SEQ_LEN:
+        # Measured on an H200 with cuDNN 9.19: T = S = 7 gave dq 70% off (the frontend's own
+        # FP8 tests list short sequences as known mismatches).
+        return (f"cuDNN's FP8 backward was wrong below {MIN_FP8_BACKWARD_SEQ_LEN} queries or "
+                f"keys on cuDNN 9.19 (T={q_seq_len}, S={kv_seq_len})")
+    capability = device.gpu_capability()
+    if capability is not None and capability[0] == 9 and head_dim != 128:
+        return f"cuDNN's FP8 backward takes head_dim 128 only on Hopper (got {head_dim})"
+    if capability is not None and capability[0] >= 10 and head_dim > 128:
+        return (f"cuDNN's FP8 backward takes head dims up to 128 on compute capability "
+                f"{capability[0]}.{capability[1]} (got {head_dim})")
+    return None
