@@ -101,7 +101,7 @@ def implementations(config, tight=True):
             q, k, v, is_causal=True, query_segment_ids=ids, implementation="cudnn"),
     }
     tight = config.documents()
-    if with_tight and tight != jax_sdpa.call.validation.DEFAULT_MAX_SEGMENTS:
+    if with_tight and tight != jax_sdpa.call.spec.DEFAULT_MAX_SEGMENTS:
         found[f"ragged M={tight}"] = lambda q, k, v: jax_sdpa.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=ids, max_segments=tight,
             implementation="cudnn")

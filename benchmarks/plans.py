@@ -32,7 +32,7 @@ from benchmarks import packed
 from benchmarks.implementations import available
 from jax_sdpa.cudnn import extension as _extension
 from jax_sdpa.packing import grids
-from jax_sdpa.call.validation import DEFAULT_MAX_SEGMENTS
+from jax_sdpa.call.spec import DEFAULT_MAX_SEGMENTS
 
 
 # The JAX calls timed next to the graph alone (benchmarks/implementations.py's names).
@@ -83,7 +83,7 @@ def ragged_layout(config, max_segments):
     front and padded with empty entries (as jax_sdpa/packing/ragged.py lays them out)."""
     lengths = [n for row in config.lengths for n in row]
     for entries, (bound, _) in grids.ragged_grids(config.batch, max_segments, config.seq,
-                                                    config.seq):
+                                                  config.seq):
         if len(lengths) <= entries and max(lengths) <= bound:
             return entries, bound, lengths + [0] * (entries - len(lengths))
     raise ValueError(f"no ragged plan holds {config.name}")

@@ -23,7 +23,7 @@ from benchmarks import plans
 from benchmarks.packed import configs, make_inputs, timed_functions
 from benchmarks.packed_compile import variants
 from benchmarks.traces import events_line, launch_table
-from jax_sdpa.call.validation import DEFAULT_MAX_SEGMENTS
+from jax_sdpa.call.spec import DEFAULT_MAX_SEGMENTS
 
 
 def report(name, directory, per):

@@ -82,6 +82,9 @@ def _target_text(target, options) -> list[str]:
               f'  static constexpr const char* kName = "{target.name}";',
               f'  static constexpr const char* kCommandBufferName = '
               f'"{target.command_buffer_name}";',
+              f"  static constexpr Direction kDirection = Direction::k"
+              f"{'Forward' if target.handler.endswith('Forward') else 'Backward'};",
+              f"  static constexpr bool kFp8 = {'true' if target.handler.startswith('Fp8') else 'false'};",
               f"  static constexpr size_t kOperands = {len(target.operands)};",
               f"  static constexpr size_t kResults = {len(target.results)};",
               "  static std::vector<std::string> AttributeNames() {",
@@ -91,12 +94,20 @@ def _target_text(target, options) -> list[str]:
               "const std::map<std::string, double>& values) {",
               f"    {struct} a;"]
     for name, kind, _ in attributes:
-        lines += [f'    JAX_SDPA_ASSIGN_OR_RETURN(double {name}, AttributeValue(values, kName, "{name}"));',
+        lines += [f"    JAX_SDPA_ASSIGN_OR_RETURN(double {name}, "
+                  f'AttributeValue(values, kName, "{name}"));',
                   f"    a.{name} = static_cast<{_CPP_TYPES[kind]}>({name});"]
     lines += ["    return a;", "  }",
               f"  static void CopyGraphOptions(const {struct}& a, SdpaConfig& c) {{"]
     lines += [f"    c.{name} = a.{name};" for name, _, _ in attributes if name in option_names]
+    own = {name for name, _ in target.attributes}
     lines += ["  }",
+              "  // Its zero fills (false where it has no such attribute).",
+              f"  static void ReadZeroFills(const {struct}& a, bool& zero_outputs, "
+              "bool& zero_tails) {",
+              f"    zero_outputs = {'a.zero_outputs' if 'zero_outputs' in own else 'false'};",
+              f"    zero_tails = {'a.zero_tails' if 'zero_tails' in own else 'false'};",
+              "  }",
               "  // Its fixed operands in order; `get(i)` returns the i-th as an "
               "ffi::ErrorOr<Operand>.",
               "  template <typename Get>",
@@ -123,7 +134,8 @@ def _target_text(target, options) -> list[str]:
         lines.append("    }")
     lines += ["    (void)i;", "    return ffi::Error::Success();", "  }",
               "  // The optional results present by its attributes, in order.",
-              f"  static ffi::Error ReadOptionalResults(ffi::RemainingRets& rest, const {struct}& a,"
+              f"  static ffi::Error ReadOptionalResults(ffi::RemainingRets& rest, "
+              f"const {struct}& a,"
               " CallResults& r) {",
               "    size_t i = 0;"]
     for names, presence in target.optional_results:

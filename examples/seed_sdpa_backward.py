@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import device
 
 B, H, S, D = 4, 12, 1024, 64
 SCALE = 1.0 / math.sqrt(D)
@@ -27,7 +27,7 @@ def main():
     keys = jax.random.split(jax.random.key(42), 4)
     q, k, v, d_o = (jax.random.normal(key, (B, S, H, D), jnp.float32).astype(jnp.float16)
                     for key in keys)
-    reason = planning.device_reason()
+    reason = device.device_reason()
     implementation = "cudnn" if reason is None else "xla"
     print(f"path: {implementation}" + (f" ({reason})" if reason else ""))
 

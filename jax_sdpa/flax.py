@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import linen
 
 from jax_sdpa.api import attention as _attention
-from jax_sdpa.call import plan as planning
+from jax_sdpa.call import planning
 from jax_sdpa.common.warn import warn
 
 

@@ -8,7 +8,7 @@ placeholders. The forward returns (output in float8_e4m3fn quantized with scale_
 amax_o); its vjp gives dQ, dK, dV in float8_e4m3fn (quantized with scale_dQ/dK/dV) and hands
 the backward's amaxes back as the cotangents of amax_dQ, amax_dK, amax_dV and amax_dP (the
 other parameters get zeros). cuDNN runs it where it can (Hopper and newer; the backward takes
-head_dim 128 on Hopper), the same arithmetic in pure JAX elsewhere (jax_sdpa/fp8_reference.py).
+head_dim 128 on Hopper), the same arithmetic in pure JAX elsewhere (jax_sdpa/reference/fp8.py).
 Beyond JAX's: causal and padding masks by sequence lengths (mask_type PADDING, PADDING_CAUSAL).
 """
 
@@ -19,14 +19,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.common.warn import warn
 from jax_sdpa.cudnn import fp8 as fp8_target
 from jax_sdpa.kernels import fp8 as fp8_kernels
+from jax_sdpa.kernels import sharding
+from jax_sdpa.limits import device
+from jax_sdpa.limits import fp8 as fp8_limits
 from jax_sdpa.reference import fp8 as fp8_reference
-from jax_sdpa.call import plan as planning
-from jax_sdpa.kernels import sharding as sharding_rules
 from jax_sdpa.reference import fp8_scaling as scaling
-from jax_sdpa.common.warn import warn
-from jax_sdpa.call.spec import CallSpec
 
 # JAX's fp8_params keys: the forward reads the first six scale factors, the backward thirteen
 # (in ffi/sdpa_graphs.h's Fp8Scale order); the amaxes are placeholders for the backward's.
@@ -136,10 +137,10 @@ def _implementation(query, value):
     """"cudnn" where cuDNN's FP8 graphs run this call, both directions; else "xla", with a
     warning where an NVIDIA GPU is there (the XLA path is a speed cliff)."""
     head_dim = query.shape[-1]
-    if planning.device_reason() is not None:
+    if device.device_reason() is not None:
         return "xla"
-    reason = (planning.fp8_reason(head_dim, value.shape[-1], query.shape[1], value.shape[1]) or
-              planning.fp8_backward_reason(query.shape[1], value.shape[1], head_dim))
+    reason = (fp8_limits.fp8_reason(head_dim, value.shape[-1], query.shape[1], value.shape[1]) or
+              fp8_limits.fp8_backward_reason(query.shape[1], value.shape[1], head_dim))
     if reason is None:
         return "cudnn"
     warn(f"jax_sdpa.fp8: using the XLA reference path because {reason}")
@@ -210,7 +211,7 @@ def _forward_call(config, groups):
 
     def kernel_fn(*arrays):
         return _forward_kernel(config, dict(zip(names, arrays[:-1])), arrays[-1])
-    return sharding_rules.partitioned(kernel_fn, config, groups, names + ["fp8_factors"],
+    return sharding.partitioned(kernel_fn, config, groups, names + ["fp8_factors"],
                                       ["output", "lse", "amaxes"])
 
 
@@ -221,7 +222,7 @@ def _backward_call(config, groups):
     def kernel_fn(*arrays):
         inputs = dict(zip(names, arrays[:len(names)]))
         return _backward_kernel(config, inputs, *arrays[len(names):])
-    return sharding_rules.partitioned(
+    return sharding.partitioned(
         kernel_fn, config, groups, names + ["output", "lse", "d_output", "fp8_factors"],
         ["dq", "dk", "dv", "amaxes"])
 

@@ -29,11 +29,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_sdpa.call import plan as planning  # noqa: E402
+from jax_sdpa.limits import device  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = planning.device_reason()
+    reason = device.device_reason()
     if reason is None:
         return
     skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU with cuDNN: {reason}")

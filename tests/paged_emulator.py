@@ -2,8 +2,8 @@
 CPU: it reads the operands as cuDNN's paged graph does (pages through the table, the padding
 mask from q_lengths and kv_lengths, the band measured bottom-right from each sequence's actual
 lengths, cuDNN's exclusive left bound) and leaves NaN in rows that see no key, so a test fails
-if the paged path (jax_sdpa/kernels/dispatch.py, api/paged.py) relies on what cuDNN writes there. It fails
-loudly on a table entry outside the pool: cuDNN would read out of bounds.
+if the paged path (jax_sdpa/kernels/dispatch.py, api/paged.py) relies on what cuDNN writes
+there. It fails loudly on a table entry outside the pool: cuDNN would read out of bounds.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ backward computes from the output and lse it is given, as cuDNN's does (a sink a
 gradient, given the sink attention's output and lse). Dense (non-ragged) calls go to the
 reference kernel forward (with the segment mask, rows that see no key left NaN as cuDNN
 leaves them), and their backward reads the lse likewise (band, lengths, ids, bias, soft-cap;
-dropout alone takes the reference's recomputing backward). Any disagreement between
-the packed path's bookkeeping (jax_sdpa/packing/, jax_sdpa/reference/empty_rows.py) and the segment-id semantics shows up against the reference
-without a GPU.
+dropout alone takes the reference's recomputing backward). Any disagreement between the packed
+path's bookkeeping (jax_sdpa/packing/, jax_sdpa/reference/empty_rows.py) and the segment-id
+semantics shows up against the reference without a GPU.
 """
 
 from __future__ import annotations

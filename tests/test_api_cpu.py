@@ -113,7 +113,7 @@ def test_low_precision_reference_is_close_to_float32():
 
 
 def test_cudnn_without_gpu_is_a_clear_error():
-    if jax_sdpa.call.plan.device_reason() is None:
+    if jax_sdpa.limits.device.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(6, 1, 8, 8, 2, 2, 64, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="implementation='cudnn'.*NVIDIA GPU"):
@@ -122,7 +122,7 @@ def test_cudnn_without_gpu_is_a_clear_error():
 
 def test_default_falls_back_silently_without_a_gpu():
     """As jax.nn picks XLA silently, so does the default call where there is no GPU to lose."""
-    if jax_sdpa.call.plan.device_reason() is None:
+    if jax_sdpa.limits.device.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(7, 1, 8, 8, 2, 2, 16, jnp.bfloat16)
     with warnings.catch_warnings():
@@ -141,7 +141,7 @@ def test_one_query_one_key_plans_a_reference_backward(monkeypatch):
     """cuDNN's backward refuses T = S = 1 (its frontend says so at graph build, inside jit):
     planned up front, the default call keeps cuDNN's forward and takes the reference backward
     with a warning; implementation='cudnn' raises before anything runs."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((4, 1, 2, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="backward.*T = S = 1"):
         jax_sdpa.dot_product_attention(q, q, q, implementation="cudnn")

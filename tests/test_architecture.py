@@ -1,27 +1,48 @@
 """The layering of jax_sdpa/: each module imports only modules at its own layer or below, so
-the code reads top-down (public entry points, the call's plan, the custom_vjp, the sharding
-rules, the kernels, the FFI and the reference) with no arrow running back up."""
+the code reads top-down (entry points, the call's description and plan, the custom_vjp, the
+sharding rules, the kernel switch, packing, our FFI targets and the reference, each feature's
+limits) with no arrow running back up; and each sub-package says what it holds."""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_sdpa"
 
-# Top to bottom. A new module gets a place here.
+# Top to bottom, by module path within jax_sdpa ("ring" is ring/__init__.py). A new module
+# gets a place here.
 LAYERS = [
-    {"__init__", "flax", "ring", "varlen", "paged", "fp8"},  # entry points
-    {"ring_all_gather", "ring_blocks"},                  # ring attention's strategies, blocks
-    {"attention"},                                       # dot_product_attention
-    {"fused_path"},                                      # a call's cuDNN pre/post-processing
-    {"planning"},                                        # cuDNN or not, and the CallSpec
-    {"kernel_vjp"},                                      # forward + backward as custom_vjp
-    {"sharding_rules"},                                  # custom_partitioning / custom_vmap
-    {"kernels"},                                         # the kernel switch, packed layout
-    {"_ffi", "reference_kernel", "packing", "packed_fallback",  # FFI, reference, tables
-     "sink_softmax", "fp8_kernels", "fp8_reference"},    # sinks; FP8 on cuDNN, its reference
-    {"reference", "validation", "call_spec", "_warnings", "versions",  # leaves
-     "_extension", "command_buffers", "varying", "fp8_scaling"},
+    {"__init__", "flax", "fp8", "ring"},                    # entry points
+    {"ring.all_gather"},                                    # ring attention's strategies
+    {"ring.blocks"},                                        # one block and the merge
+    {"api.varlen", "api.paged"},                            # the other public functions
+    {"api.attention"},                                      # dot_product_attention
+    {"call.inputs"},                                        # a call's kernel inputs
+    {"call.planning"},                                      # cuDNN or not, and the CallSpec
+    {"kernels.vjp"},                                        # forward + backward as custom_vjp
+    {"kernels.sharding"},                                   # custom_partitioning, custom_vmap
+    {"kernels.dispatch"},                                   # the kernel switch
+    {"packing.ragged", "kernels.fp8"},                      # packed rows, FP8 on cuDNN
+    {"packing.fallback", "packing.grids", "reference.kernel"},
+    {"cudnn.dense", "cudnn.ragged", "cudnn.paged", "cudnn.fp8",  # one module per FFI job
+     "packing.documents", "reference.paged", "reference.fp8", "reference.empty_rows",
+     "kernels.sink_softmax"},
+    {"cudnn.call", "call.validation"},                      # the FFI call; the arrays checked
+    {"limits.dense", "limits.paged"},                       # each feature's limits
+    {"limits.packed", "limits.fp8"},
+    {"limits.device"},
+    {"call.spec", "cudnn.targets", "cudnn.extension", "cudnn.command_buffers",  # leaves
+     "reference.attention", "reference.fp8_scaling", "common.warn", "common.versions",
+     "common.varying", "api", "call", "limits", "kernels", "packing", "cudnn", "reference",
+     "common"},
 ]
+
+
+def module_name(path):
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
 def layer_of(name):
@@ -29,31 +50,47 @@ def layer_of(name):
 
 
 def imported_modules(path):
-    """The jax_sdpa modules a file imports (its own package's, by module name)."""
+    """The jax_sdpa modules a file imports, by module path."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "jax_sdpa":
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith("jax_sdpa."):
-                found.add(node.module.split(".")[1])
+            if node.module == "jax_sdpa" or node.module.startswith("jax_sdpa."):
+                prefix = node.module.removeprefix("jax_sdpa").removeprefix(".")
+                for alias in node.names:
+                    candidate = f"{prefix}.{alias.name}" if prefix else alias.name
+                    found.add(candidate if candidate in MODULES else prefix)
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[1] for alias in node.names
+            found |= {alias.name.removeprefix("jax_sdpa.") for alias in node.names
                       if alias.name.startswith("jax_sdpa.")}
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    return found & modules
+    return found & set(MODULES)
 
 
 def test_every_module_has_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
     placed = set().union(*LAYERS)
-    assert modules == placed, f"unplaced: {modules - placed}, gone: {placed - modules}"
+    assert set(MODULES) == placed, (f"unplaced: {set(MODULES) - placed}, "
+                                    f"gone: {placed - set(MODULES)}")
 
 
 def test_no_module_imports_one_above_it():
     upward = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        for name in imported_modules(path):
-            if layer_of(name) < layer_of(path.stem):
-                upward.append(f"{path.stem} imports {name}")
+    for name, path in sorted(MODULES.items()):
+        for imported in imported_modules(path):
+            if layer_of(imported) < layer_of(name):
+                upward.append(f"{name} imports {imported}")
     assert not upward, upward
+
+
+def test_every_module_says_what_it_holds():
+    """Each module, sub-packages' __init__ included, opens with a docstring."""
+    bare = [name for name, path in MODULES.items()
+            if ast.get_docstring(ast.parse(path.read_text())) is None]
+    assert not bare, bare
+
+
+def test_no_file_is_over_600_lines():
+    root = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "ffi").rglob("*.h"), *(root / "ffi").rglob("*.cc"),
+             *(root / "tests").glob("*.py"), *(root / "benchmarks").glob("*.py")]
+    long = {str(path.relative_to(root)): n for path in files
+            if (n := len(path.read_text().splitlines())) > 600}
+    assert not long, long

@@ -118,7 +118,7 @@ def test_soft_cap_and_sinks_bound_with_partial():
 def test_sow_weights_falls_back_to_flax(gpu, monkeypatch):
     """Sowing the weights runs Flax's attention: silently without a GPU (nothing is lost), with
     a warning naming why on one for bfloat16 (a speed cliff)."""
-    if not gpu and jax_sdpa.call.plan.device_reason() is None:
+    if not gpu and jax_sdpa.limits.device.device_reason() is None:
         pytest.skip("a GPU is present")
     x = inputs(5).astype(jnp.bfloat16)
     module = linen.MultiHeadDotProductAttention(
@@ -126,7 +126,7 @@ def test_sow_weights_falls_back_to_flax(gpu, monkeypatch):
         dtype=jnp.bfloat16)
     params = module.init(jax.random.key(6), x)
     if gpu:  # (only the sowing call: it never reaches our kernels)
-        monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+        monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, state = module.apply(params, x, sow_weights=True, mutable=["intermediates"])

@@ -173,12 +173,12 @@ def test_framework_convention_refuses_by_name():
 def test_a_single_query_is_planned_off_cudnn(kv_seq_len, monkeypatch):
     """cuDNN 9.19 has no FP8 forward engine for one query (T = 1): planning names it (an error
     under implementation="cudnn") instead of letting the graph build fail inside XLA."""
-    from jax_sdpa.call import plan as planning  # noqa: PLC0415
-    from jax_sdpa.cudnn import extension as _extension
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
-    monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
-    monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)
+    from jax_sdpa.cudnn import extension  # noqa: PLC0415
+    from jax_sdpa.limits import device, fp8 as fp8_limits  # noqa: PLC0415
+    monkeypatch.setattr(device, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "capability", lambda: (9, 0))
+    monkeypatch.setattr(extension, "cudnn_version", lambda: 91900)
     q, k, v, _ = random_qkv(0, 1, 1, kv_seq_len, 2, 2, 128, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="single query"):
         jax_sdpa.dot_product_attention(q, k, v, fp8=True, implementation="cudnn")
-    assert planning.fp8_reason(128, 128, 2, kv_seq_len) is None
+    assert fp8_limits.fp8_reason(128, 128, 2, kv_seq_len) is None

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.call import plan as planning
+from jax_sdpa.call import planning
 from jax_sdpa.call.validation import validate
 from conftest import assert_close_to_reference
 

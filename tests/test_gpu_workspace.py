@@ -1,5 +1,5 @@
-"""Our calls' cuDNN workspace as a result XLA allocates (jax_sdpa/cudnn/call.py, ffi/call/execution.cc):
-sized while the call is planned, used by the handler in either mode, and a missing or too small
+"""Our calls' cuDNN workspace as a result XLA allocates (jax_sdpa/cudnn/call.py,
+ffi/call/execution.cc): sized while the call is planned, used by the handler in either mode, and a missing or too small
 one replaced by memory the handler finds itself, with the same answers. Skipped without a GPU."""
 
 import re

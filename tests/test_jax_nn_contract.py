@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import device
 from conftest import random_qkv
 from test_packing import emulated_cudnn  # noqa: F401
 
@@ -226,7 +226,7 @@ def test_the_inputs_jax_nn_rejects_raise_a_value_error(case):
 
 
 def test_no_warning_without_a_gpu():
-    if planning.device_reason() is None:
+    if device.device_reason() is None:
         pytest.skip("a GPU is present")
     q, k, v, _ = random_qkv(8, 1, 8, 8, 2, 2, 12, jnp.bfloat16)
     with warnings.catch_warnings():
@@ -241,7 +241,7 @@ def test_no_warning_without_a_gpu():
 def test_a_gpu_fallback_warns_at_the_callers_line(monkeypatch):
     """With a GPU (patched in), a float16/bfloat16 call that cuDNN cannot take warns, naming
     this file's line; float32 inputs and implementation='xla' stay silent, as in jax.nn."""
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "device_reason", lambda: None)
     q, k, v, _ = random_qkv(9, 1, 8, 8, 2, 2, 12, jnp.bfloat16)  # head_dim 12: not for cuDNN
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -50,7 +50,7 @@ def assert_decoded(text, role, job):
 def test_python_attributes_are_what_the_handlers_decode(packed, monkeypatch):
     """Every attribute Python sends is one the C++ handler of that target decodes, and none is
     missing; a packed call lowers to the ragged targets, a dense one to the dense targets."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
     ids = jnp.zeros((2, 64), jnp.int32) if packed else None
     grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(
@@ -69,7 +69,7 @@ def test_poisoned_twins_replace_our_targets_only_while_asked(monkeypatch):
     after it to the product's own again."""
     from poisoning import poison_outputs
 
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
 
     def names():
@@ -130,7 +130,7 @@ def test_lowers_to_our_targets(transform):
                                     "bottom_right", "segments", "everything"])
 def test_options_lower_to_our_targets(option, monkeypatch):
     """Every option reaches our custom calls; dbias only where the user's bias needs it."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     b, t, s, n, h = 2, 48, 64, 4, 64
     q = jnp.zeros((b, t, n, h), jnp.float16)
     kv = jnp.zeros((b, s, 2, h), jnp.float16)
@@ -174,7 +174,7 @@ def test_options_lower_to_our_targets(option, monkeypatch):
 
 
 def test_value_head_dim_lowers_with_its_own_output_shape(monkeypatch):
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
     k = jnp.zeros((2, 64, 4, 192), jnp.bfloat16)
     v = jnp.zeros((2, 64, 4, 128), jnp.bfloat16)
@@ -188,7 +188,7 @@ def test_value_head_dim_lowers_with_its_own_output_shape(monkeypatch):
 def test_export_with_the_declared_custom_calls(monkeypatch):
     """jax.export for CUDA of a training step's attention: our targets are the only custom
     calls, declared through jax_sdpa.export_disabled_checks(); it serializes and reads back."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
 
     def step(q, k, v):
@@ -213,7 +213,7 @@ def test_ring_with_cudnn_blocks_lowers_inside_shard_map(layout, monkeypatch):
     import numpy as np  # noqa: PLC0415
     from jax_sdpa import ring as ring_module  # noqa: PLC0415
     from jax_sdpa.ring import ring_attention  # noqa: PLC0415
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     monkeypatch.setattr(ring_module, "_mesh_platform", lambda x: "gpu")  # host devices here
     mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
     ring = jax.shard_map(lambda q, k, v: ring_attention(
@@ -231,7 +231,7 @@ def test_command_buffer_targets_follow_the_variable(monkeypatch):
     """JAX_SDPA_COMMAND_BUFFERS=1 (read when a call is planned) lowers every call, small or
     large, to the command-buffer compatible twins of our targets; unset or =0 none; anything
     else is refused by name."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     small = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
     large = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
 
@@ -257,7 +257,7 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
     do). Self-attention without lengths sends the ids too, its handler running the exact
     fallback itself (no cond in the program); with lengths a cond chooses the fallback. The
     stated bound has no grid operand."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     monkeypatch.setenv("JAX_SDPA_COMMAND_BUFFERS", "1")
     q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 64)[None].repeat(2, axis=0)
@@ -287,7 +287,7 @@ def test_checked_packed_call_reads_its_grid_on_the_plain_targets(monkeypatch):
 def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
     """paged_attention's cuDNN path: our paged target with exactly the attributes its handler
     decodes; under vmap, one call per element."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((3, 2, 8, 64), jnp.bfloat16)
     cache = jnp.zeros((10, 16, 2, 64), jnp.bfloat16)
     table = jnp.zeros((3, 4), jnp.int32)
@@ -344,7 +344,7 @@ def test_workspace_planner_refuses_what_the_handlers_refuse():
 def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch, fresh_traces):
     """Lowering for CUDA where no GPU can size the workspace (CI, jax.export on a CPU host):
     no uint8 result; the handlers then take scratch memory per call."""
-    monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     monkeypatch.setattr(cudnn_call, "gpu_ordinal", lambda: None)
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
     grad = jax.grad(lambda q: jax_sdpa.dot_product_attention(

@@ -13,7 +13,7 @@ import jax_sdpa
 from jax_sdpa.packing import grids
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.packing import documents as packing
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import device, packed
 import ragged_emulator
 from conftest import (directional_derivative_error, gradient_patterns, random_qkv,
                       reference_gradients, relative_error)
@@ -26,11 +26,11 @@ def _emulate_cudnn(monkeypatch, every_bound):
     bounds down to 4 tokens, so that these short rows exercise the choice among bounds
     (jax_sdpa/packing/grids.py) too; elsewhere the emulated ragged calls, where each bound is one
     more emulation for XLA to compile, so only tests asking for every_bound get them all."""
-    if planning.device_reason() is None or every_bound:
+    if device.device_reason() is None or every_bound:
         monkeypatch.setattr(grids, "SHORTEST_BOUND", 4)
-    if planning.device_reason() is None:
+    if device.device_reason() is None:
         return
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "device_reason", lambda: None)
     ragged_emulator.emulate(monkeypatch)
 
 
@@ -339,7 +339,7 @@ def test_packed_lowering_has_no_score_sized_array(monkeypatch):
     per token, the exact fallback masks the ids inside cuDNN. And no matmul of ours: every
     branch is cuDNN (a reference's matmuls would cost XLA's autotuning in every checked
     call's compile)."""
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "device_reason", lambda: None)
     t = 8192
     q = jnp.zeros((1, t, 4, 64), jnp.bfloat16)
     ids = jnp.zeros((1, t), jnp.int32)
@@ -388,19 +388,19 @@ def test_checked_packed_calls_need_the_segment_mask_cudnn(version, monkeypatch):
     fallback) keeps the ragged layout either way."""
     from jax_sdpa.cudnn import extension as _extension  # noqa: PLC0415
     from jax_sdpa.call.validation import validate  # noqa: PLC0415
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
-    monkeypatch.setattr(planning, "_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(device, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "capability", lambda: (9, 0))
     monkeypatch.setattr(_extension, "cudnn_version", lambda: version)
     q = jnp.zeros((2, 64, 2, 16), jnp.bfloat16)
     ids = jnp.asarray(np.repeat(np.arange(4), 16)[None].repeat(2, 0), jnp.int32)
     options = dict(scale=None, is_causal=True, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None, implementation="cudnn",
                    query_segment_ids=ids)
-    checked = planning.ragged_reason(validate(q, q, q, None, None, **options))
-    stated = planning.ragged_reason(validate(q, q, q, None, None, max_document_length=16,
+    checked = packed.ragged_reason(validate(q, q, q, None, None, **options))
+    stated = packed.ragged_reason(validate(q, q, q, None, None, max_document_length=16,
                                              max_segments=4, **options))
     assert stated is None
-    if version < planning.MIN_SEGMENT_MASK_CUDNN_VERSION:
+    if version < packed.MIN_SEGMENT_MASK_CUDNN_VERSION:
         assert "9.9" in checked and str(version) in checked
     else:
         assert checked is None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import device
 from conftest import relative_error
 from test_packing import (B, CROSS, N, ROWS, S, T, check, emulated_cudnn, qkv,  # noqa: F401
                           random_ids, runs)
@@ -132,7 +132,7 @@ def test_stated_bound_lowers_one_plan_and_no_switch(monkeypatch):
     """What the statement buys: the fwd+bwd for CUDA holds one ragged forward and one backward,
     sized by the bound, and no grid for the handler to wait for (nor, with lengths, the
     checked call's conditional, whose predicate the host would wait for too)."""
-    monkeypatch.setattr(planning, "device_reason", lambda: None)
+    monkeypatch.setattr(device, "device_reason", lambda: None)
     q = jnp.zeros((2, 1024, 2, 64), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
 

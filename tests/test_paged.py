@@ -13,7 +13,7 @@ import pytest
 import jax_sdpa
 from jax_sdpa.cudnn import extension as _extension
 from jax_sdpa.cudnn import paged as paged_target
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import dense, device
 import paged_emulator
 
 PAGES, PAGE, K, N, H = 24, 8, 2, 4, 16
@@ -89,9 +89,9 @@ def path(request, monkeypatch):
     mapping in CI."""
     if request.param == "reference":
         return "xla"
-    if planning.device_reason() is not None:
-        monkeypatch.setattr(planning, "device_reason", lambda: None)
-        monkeypatch.setattr(planning, "kernel_reason", lambda *args: None)  # float32 here
+    if device.device_reason() is not None:
+        monkeypatch.setattr(device, "device_reason", lambda: None)
+        monkeypatch.setattr(dense, "kernel_reason", lambda *args: None)  # float32 here
         monkeypatch.setattr(_extension, "cudnn_version", lambda: 91900)
         monkeypatch.setattr(paged_target, "forward", paged_emulator.forward)
     return None  # the default: cuDNN where it can run (soft-cap: the reference, with a warning)

@@ -6,7 +6,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa.call import plan as planning
+from jax_sdpa.call import planning
+from jax_sdpa.limits import dense, packed
 from jax_sdpa.call.validation import validate
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -108,12 +109,12 @@ def claimed_as_code_says(claim, example):
     if (reason is None) != expected:
         return False, reason
     if "ragged layout" in claim or "dense [B, 1, T, S] bias" in claim:
-        ragged = planning.ragged_reason(example)
+        ragged = packed.ragged_reason(example)
         return (ragged is None) == ("ragged layout" in claim), ragged
     q_seq, kv_seq = example.query.shape[1], example.key.shape[1]
     if example.spec.fp8:  # its backward's limits depend on the device (README text, not checked)
         return True, None
-    backward = planning.backward_reason(q_seq, kv_seq, example.query.shape[-1],
+    backward = dense.backward_reason(q_seq, kv_seq, example.query.shape[-1],
                                         example.value.shape[-1],
                                         example.spec.logits_soft_cap or None,
                                         example.bias is not None)

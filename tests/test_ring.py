@@ -149,13 +149,13 @@ def test_ring_rejects_bad_blocks():
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "gpu_patched_in"])
 def test_ring_falls_back_as_dot_product_attention_does(gpu, monkeypatch):
-    """The ring decides through jax_sdpa.call.plan too: a mesh cuDNN cannot serve takes the
+    """The ring decides through jax_sdpa.call.planning too: a mesh cuDNN cannot serve takes the
     reference path, silently without a GPU, with one warning per calling line naming why with
     one (bfloat16, implementation=None); implementation='cudnn' raises NotImplementedError."""
     import warnings  # noqa: PLC0415
     if gpu:
-        monkeypatch.setattr(jax_sdpa.call.plan, "device_reason", lambda: None)
-    elif jax_sdpa.call.plan.device_reason() is None:
+        monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    elif jax_sdpa.limits.device.device_reason() is None:
         pytest.skip("a GPU is present")
     mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("seq",))
     x = jnp.ones((1, 64, 2, 32), jnp.bfloat16)

@@ -16,7 +16,7 @@ import pytest
 import jax_sdpa
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_sdpa.call import plan as planning
+from jax_sdpa.limits import device
 from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.kernels.vjp import dropout_seed
 from conftest import kernel_attention, relative_error
@@ -162,9 +162,9 @@ def test_packed_rows_sharded_over_batch_run_per_device(kernel, stated, monkeypat
     document table and runs them, no collective (the device-side layout check included; or
     the documents' bound stated, with its per-row poisoning)."""
     if kernel == "cudnn-emulated":
-        if planning.device_reason() is None:
+        if device.device_reason() is None:
             pytest.skip("a GPU is present: the real kernel runs instead")
-        monkeypatch.setattr(planning, "device_reason", lambda: None)
+        monkeypatch.setattr(device, "device_reason", lambda: None)
         ragged_emulator.emulate(monkeypatch)
     implementation = "xla" if kernel == "xla" else "cudnn"
     n = len(jax.devices())

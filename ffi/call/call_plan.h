@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/check.h"
@@ -48,6 +49,24 @@ struct AttentionShape {
 };
 ffi::ErrorOr<AttentionShape> ReadAttentionShape(Direction direction, int32_t device,
                                                 const CallOperands& operands, SdpaConfig& c);
+
+// The start of a dense-layout target's plan: its operands kept, its graph options and zero
+// fills copied, its query, key and value read (in its direction; FP8 operands go to the FP8
+// targets alone).
+template <typename Attributes>
+ffi::ErrorOr<AttentionShape> StartPlan(CallPlan& plan, int32_t device, CallOperands operands,
+                                       const Attributes& attributes) {
+  plan.operands = std::move(operands);
+  TargetTraits<Attributes>::CopyGraphOptions(attributes, plan.config);
+  TargetTraits<Attributes>::ReadZeroFills(attributes, plan.zero_outputs, plan.zero_tails);
+  JAX_SDPA_ASSIGN_OR_RETURN(
+      AttentionShape shape, ReadAttentionShape(TargetTraits<Attributes>::kDirection, device,
+                                               plan.operands, plan.config));
+  if (!TargetTraits<Attributes>::kFp8 && IsFp8(plan.config.element_type)) {
+    return Failure{InvalidArgument("FP8 operands go to the FP8 targets")};
+  }
+  return shape;
+}
 
 // float16, bfloat16 or float8 (e4m3, e5m2) as the graph's element type, or an error naming the
 // operand.

@@ -50,7 +50,7 @@ class CallState {
   void ReleaseLocked(Held& held);
 
   // One executable may run on several devices, a call with a device grid on up to 9 graphs
-  // per device (jax_sdpa/kernels.py's grids and the fallback); searched linearly.
+  // per device (jax_sdpa/packing/grids.py's grids and the fallback); searched linearly.
   static constexpr size_t kMaxGraphs = 80;
   std::mutex mutex_;
   std::vector<Held> held_;

@@ -18,7 +18,7 @@ int64_t CapacityFromEnvironment() {
   if (text == nullptr || *text == '\0') return kDefaultCapacity;
   char* end = nullptr;
   long long value = std::strtoll(text, &end, 10);
-  // jax_sdpa/_ffi.py checks the variable when it loads the extension and names it in its
+  // jax_sdpa/cudnn/extension.py checks the variable when it loads the extension and names it in its
   // error; this only guards the rest.
   return (end != nullptr && *end == '\0' && value >= 1) ? value : kDefaultCapacity;
 }

@@ -11,18 +11,12 @@ namespace {
 bool BiasGradient(const DenseForwardAttributes&) { return false; }
 bool BiasGradient(const DenseBackwardAttributes& attributes) { return attributes.bias_grad; }
 
+// Completes a dense call's plan (StartPlan read its query, key and value).
 template <typename Attributes>
-ffi::ErrorOr<CallPlan> PlanDense(Direction direction, int32_t device, CallOperands operands,
-                                 const Attributes& attributes) {
-  CallPlan plan;
-  plan.operands = std::move(operands);
+ffi::Error CompleteDense(const AttentionShape& shape, const Attributes& attributes,
+                         CallPlan& plan) {
   const CallOperands& in = plan.operands;
   SdpaConfig& c = plan.config;
-  TargetTraits<Attributes>::CopyGraphOptions(attributes, c);
-  JAX_SDPA_ASSIGN_OR_RETURN(AttentionShape shape, ReadAttentionShape(direction, device, in, c));
-  if (IsFp8(c.element_type)) {
-    return Failure{InvalidArgument("FP8 operands go to the FP8 targets")};
-  }
   c.padding = attributes.padding;
   c.segment_mask = attributes.segment_mask;
   const int64_t rows = shape.vmapped * shape.batch;
@@ -55,24 +49,11 @@ ffi::ErrorOr<CallPlan> PlanDense(Direction direction, int32_t device, CallOperan
     c.bias_batch = per_slice ? bd[rank - 4] : bd[rank - 4] * shape.vmapped;
     c.bias_grad = BiasGradient(attributes);
   }
-  plan.zero_outputs = attributes.zero_outputs;
-  plan.zero_tails = attributes.zero_tails;
-  return plan;
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const DenseForwardAttributes& attributes) {
-  return PlanDense(Direction::kForward, device, std::move(operands), attributes);
-}
-
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const DenseBackwardAttributes& attributes) {
-  return PlanDense(Direction::kBackward, device, std::move(operands), attributes);
-}
-
-JAX_SDPA_DEFINE_HANDLER(DenseForward, DENSE_FORWARD, RunForward)
-JAX_SDPA_DEFINE_HANDLER(DenseBackward, DENSE_BACKWARD, RunBackward)
+JAX_SDPA_DEFINE_TARGETS(Dense, DENSE, CompleteDense)
 
 }  // namespace jax_sdpa

@@ -17,15 +17,13 @@ ElementType GradientType(const Fp8BackwardAttributes& attributes) {
   return static_cast<ElementType>(attributes.gradient_type);
 }
 
+// Completes an FP8 call's plan (StartPlan read its query, key and value).
 template <typename Attributes>
-ffi::ErrorOr<CallPlan> PlanFp8(Direction direction, int32_t device, CallOperands operands,
-                               const Attributes& attributes) {
-  CallPlan plan;
-  plan.operands = std::move(operands);
+ffi::Error CompleteFp8(const AttentionShape& shape, const Attributes& attributes,
+                       CallPlan& plan) {
+  constexpr Direction direction = TargetTraits<Attributes>::kDirection;
   const CallOperands& in = plan.operands;
   SdpaConfig& c = plan.config;
-  TargetTraits<Attributes>::CopyGraphOptions(attributes, c);
-  JAX_SDPA_ASSIGN_OR_RETURN(AttentionShape shape, ReadAttentionShape(direction, device, in, c));
   c.gradient_type = GradientType(attributes);
   if (c.element_type != ElementType::kFloat8E4M3 || !IsFp8(c.gradient_type)) {
     return Failure{InvalidArgument("an FP8 call takes float8_e4m3fn operands and an FP8 "
@@ -48,23 +46,11 @@ ffi::ErrorOr<CallPlan> PlanFp8(Direction direction, int32_t device, CallOperands
   // Scales and amaxes per vmapped slice: one graph run each.
   plan.repeats = shape.vmapped;
   c.batch = shape.batch;
-  plan.zero_tails = attributes.zero_tails;
-  return plan;
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const Fp8ForwardAttributes& attributes) {
-  return PlanFp8(Direction::kForward, device, std::move(operands), attributes);
-}
-
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const Fp8BackwardAttributes& attributes) {
-  return PlanFp8(Direction::kBackward, device, std::move(operands), attributes);
-}
-
-JAX_SDPA_DEFINE_HANDLER(Fp8Forward, FP8_FORWARD, RunForward)
-JAX_SDPA_DEFINE_HANDLER(Fp8Backward, FP8_BACKWARD, RunBackward)
+JAX_SDPA_DEFINE_TARGETS(Fp8, FP8, CompleteFp8)
 
 }  // namespace jax_sdpa

@@ -1,7 +1,7 @@
 // A target's XLA FFI handler: its binding (exactly the operands, results and attributes
 // jax_sdpa/cudnn/targets.py declares for it), its entry (the buffers by name, the optional
 // ones read by the declared order, its planner, then the run), and the same handler marked for
-// XLA's command buffers. Every target of targets.py is defined by one JAX_SDPA_DEFINE_HANDLER
+// XLA's command buffers. Every target of targets.py is defined by one JAX_SDPA_DEFINE_TARGET
 // in its job's file; module.cc registers them.
 #pragma once
 
@@ -42,19 +42,24 @@ ffi::Error ReadOptionalOperands(const ffi::RemainingArgs& rest, const Attributes
       attributes, operands);
 }
 
-// Plans and runs a call whose buffers are gathered: `run` is RunForward or RunBackward.
-template <typename Attributes, typename Run>
+// Plans and runs a call whose buffers are gathered, forward or backward as its target's
+// direction.
+template <typename Attributes>
 ffi::Error PlanAndRun(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
                       CallState* state, CallOperands operands, const ffi::RemainingArgs& rest,
                       CallResults results, ffi::RemainingRets& extra,
-                      const Attributes& attributes, Run run) {
+                      const Attributes& attributes) {
   using Traits = TargetTraits<Attributes>;
   try {
     JAX_SDPA_RETURN_IF_ERROR(ReadOptionalOperands(rest, attributes, operands));
     JAX_SDPA_RETURN_IF_ERROR(Traits::ReadOptionalResults(extra, attributes, results));
     JAX_SDPA_ASSIGN_OR_RETURN(CallPlan plan, Plan(device, std::move(operands), attributes));
     CallContext context{stream, device, scratch, *state, attributes.command_buffer};
-    return run(context, plan, results);
+    if constexpr (Traits::kDirection == Direction::kForward) {
+      return RunForward(context, plan, results);
+    } else {
+      return RunBackward(context, plan, results);
+    }
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string(Traits::kName) + ": " + e.what());
   }
@@ -62,9 +67,27 @@ ffi::Error PlanAndRun(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
 
 }  // namespace jax_sdpa
 
-// Defines the handlers of target `Handler` (its declarations in targets.inc under UPPER), run
-// by `Run` (RunForward or RunBackward).
-#define JAX_SDPA_DEFINE_HANDLER(Handler, UPPER, Run)                                          \
+// Defines target `Handler` (its declarations in targets.inc under UPPER) of the dense layout:
+// its planner, StartPlan (call_plan.h) then `Complete(shape, attributes, plan)`, and its
+// handlers, run by RunForward or RunBackward as its direction says.
+#define JAX_SDPA_DEFINE_TARGET(Handler, UPPER, Complete)                                      \
+  ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,                          \
+                              const Handler##Attributes& attributes) {                        \
+    CallPlan plan;                                                                             \
+    JAX_SDPA_ASSIGN_OR_RETURN(AttentionShape shape,                                            \
+                              StartPlan(plan, device, std::move(operands), attributes));       \
+    JAX_SDPA_RETURN_IF_ERROR(Complete(shape, attributes, plan));                               \
+    return plan;                                                                               \
+  }                                                                                            \
+  JAX_SDPA_DEFINE_HANDLER(Handler, UPPER)
+
+// A job's forward and backward targets (JobForward and JobBackward), one planner for both.
+#define JAX_SDPA_DEFINE_TARGETS(Job, JOB, Complete)           \
+  JAX_SDPA_DEFINE_TARGET(Job##Forward, JOB##_FORWARD, Complete) \
+  JAX_SDPA_DEFINE_TARGET(Job##Backward, JOB##_BACKWARD, Complete)
+
+// The handlers of target `Handler`.
+#define JAX_SDPA_DEFINE_HANDLER(Handler, UPPER)                                               \
   ffi::Error Handler##Entry(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, \
                             CallState* state,                                                  \
                             JAX_SDPA_##UPPER##_ARGS(JAX_SDPA_ARG_PARAMETER)                    \
@@ -77,7 +100,7 @@ ffi::Error PlanAndRun(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
     CallResults results;                                                                       \
     JAX_SDPA_##UPPER##_RETS(JAX_SDPA_KEEP_RET)                                                 \
     return PlanAndRun(stream, device, scratch, state, std::move(operands), rest,              \
-                      std::move(results), extra, attributes, Run);                             \
+                      std::move(results), extra, attributes);                                  \
   }                                                                                            \
   auto Handler##Binding() {                                                                    \
     return ffi::Ffi::Bind()                                                                    \

@@ -9,6 +9,7 @@
 
 namespace jax_sdpa {
 
+// Not the dense layout: the keys and values are page pools, read through the table.
 ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
                             const PagedForwardAttributes& attributes) {
   CallPlan plan;
@@ -52,6 +53,6 @@ ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
   return plan;
 }
 
-JAX_SDPA_DEFINE_HANDLER(PagedForward, PAGED_FORWARD, RunForward)
+JAX_SDPA_DEFINE_HANDLER(PagedForward, PAGED_FORWARD)
 
 }  // namespace jax_sdpa

@@ -11,18 +11,12 @@
 namespace jax_sdpa {
 namespace {
 
+// Completes a ragged call's plan (StartPlan read its query, key and value).
 template <typename Attributes>
-ffi::ErrorOr<CallPlan> PlanRagged(Direction direction, int32_t device, CallOperands operands,
-                                  const Attributes& attributes) {
-  CallPlan plan;
-  plan.operands = std::move(operands);
+ffi::Error CompleteRagged(const AttentionShape& shape, const Attributes& attributes,
+                          CallPlan& plan) {
   const CallOperands& in = plan.operands;
   SdpaConfig& c = plan.config;
-  TargetTraits<Attributes>::CopyGraphOptions(attributes, c);
-  JAX_SDPA_ASSIGN_OR_RETURN(AttentionShape shape, ReadAttentionShape(direction, device, in, c));
-  if (IsFp8(c.element_type)) {
-    return Failure{InvalidArgument("FP8 operands go to the FP8 targets")};
-  }
   c.padding = true;
   c.ragged = true;
   const int64_t vmapped = shape.vmapped;
@@ -73,24 +67,11 @@ ffi::ErrorOr<CallPlan> PlanRagged(Direction direction, int32_t device, CallOpera
   }
   if (bound_q > 0) c.q_seq_len = bound_q;
   if (bound_kv > 0) c.kv_seq_len = bound_kv;
-  plan.zero_outputs = attributes.zero_outputs;
-  plan.zero_tails = attributes.zero_tails;
-  return plan;
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const RaggedForwardAttributes& attributes) {
-  return PlanRagged(Direction::kForward, device, std::move(operands), attributes);
-}
-
-ffi::ErrorOr<CallPlan> Plan(int32_t device, CallOperands operands,
-                            const RaggedBackwardAttributes& attributes) {
-  return PlanRagged(Direction::kBackward, device, std::move(operands), attributes);
-}
-
-JAX_SDPA_DEFINE_HANDLER(RaggedForward, RAGGED_FORWARD, RunForward)
-JAX_SDPA_DEFINE_HANDLER(RaggedBackward, RAGGED_BACKWARD, RunBackward)
+JAX_SDPA_DEFINE_TARGETS(Ragged, RAGGED, CompleteRagged)
 
 }  // namespace jax_sdpa

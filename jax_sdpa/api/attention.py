@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa.call import inputs as fused_path
-from jax_sdpa.call import plan as planning
+from jax_sdpa.call import planning
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference.attention import described_attention
 from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
@@ -87,9 +87,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         per-tensor current scaling (scales from their amaxes, on the device), cuDNN's FP8
         kernels run, and the output comes back in the inputs' dtype; the backward quantizes
         the output cotangent, the score gradient and the gradients to float8_e5m2, with scales
-        from bounds they cannot exceed (jax_sdpa/fp8_scaling.py). Takes is_causal (top-left),
-        sequence lengths and GQA/MQA, nothing else. The XLA path computes the same roundings.
-        Not in jax.nn.
+        from bounds they cannot exceed (jax_sdpa/reference/fp8_scaling.py). Takes is_causal
+        (top-left), sequence lengths and GQA/MQA, nothing else. The XLA path computes the same
+        roundings. Not in jax.nn.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.

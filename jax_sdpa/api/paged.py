@@ -10,7 +10,8 @@ On an NVIDIA GPU this runs cuDNN's paged forward: the page table goes into the S
 (cuDNN >= 9.5), which reads each sequence's pages in place, with cuDNN's padding mask and
 bottom-right band measured from the actual lengths. Elsewhere (or where cuDNN cannot, with a
 warning on a GPU) the reference path gathers the pages, then runs attention with the same
-semantics. Both are the kernel layer's (jax_sdpa/kernels.py), for a CallSpec with paged set.
+semantics. Both are the kernel layer's (jax_sdpa/kernels/dispatch.py), for a CallSpec with
+paged set.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_sdpa.call import planning, validation
+from jax_sdpa.call.spec import CallSpec, checked_scale, checked_soft_cap, checked_window
 from jax_sdpa.cudnn import command_buffers
-from jax_sdpa.kernels import dispatch as kernels
-from jax_sdpa.call import plan as planning
+from jax_sdpa.kernels import dispatch
+from jax_sdpa.limits import paged as paged_limits
 from jax_sdpa.reference import empty_rows
-from jax_sdpa.call import validation
-from jax_sdpa.call.spec import CallSpec
 
 
 def _check_caches(key_cache, value_cache):
@@ -88,7 +89,7 @@ def _output(spec, query, key_cache, value_cache, page_table, kv_lengths, sinks):
                   kv_lengths=kv_lengths, page_table=page_table)
     if sinks is not None:
         inputs["sinks"] = sinks
-    return kernels.forward(spec, inputs)[0]
+    return dispatch.forward(spec, inputs)[0]
 
 
 def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, scale=None,
@@ -145,13 +146,13 @@ def paged_attention(query, key_cache, value_cache, page_table, kv_lengths, *, sc
         raise ValueError(f"page_table must list at least one page per sequence, got shape "
                          f"{page_table.shape}")
     _check_lengths_fit(kv_lengths, page_table.shape[1] * page_size, "kv_lengths")
-    scale = validation.checked_scale(scale, head_dim)
-    window = validation.checked_window(local_window_size)
-    cap = validation.checked_soft_cap(logits_soft_cap)
+    scale = checked_scale(scale, head_dim)
+    window = checked_window(local_window_size)
+    cap = checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, q_heads, query.dtype)
     if query.size == 0:  # no query: nothing for a kernel to do
         return jnp.zeros((batch, q_seq_len, q_heads, value_cache.shape[-1]), query.dtype)
-    reason = planning.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
+    reason = paged_limits.paged_reason(query.dtype, head_dim, value_cache.shape[-1], cap,
                                    q_seq_len == 1 and window is not None)
     cudnn = planning.use_cudnn(reason, implementation, query.dtype, "this paged_attention call")
     spec = _spec("cudnn" if cudnn else "xla", scale, window, cap, q_seq_len, sinks is not None)

@@ -96,7 +96,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_kv=None, *, sca
     q_ids = _segment_ids(cu_q, total_q)
     kv_ids = None if cu_seqlens_kv is None else _segment_ids(cu_kv, total_kv)
     # Self-attention gives one array for both lengths: no row can then see no key, so the
-    # packed path repairs none (jax_sdpa/kernels.py).
+    # packed path repairs none (jax_sdpa/packing/ragged.py).
     q_lengths = cu_q[-1:]
     kv_lengths = q_lengths if cu_seqlens_kv is None else cu_kv[-1:]
     result = dot_product_attention(

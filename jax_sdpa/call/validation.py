@@ -1,17 +1,16 @@
-"""Checking and normalising the arguments of dot_product_attention before anything is traced
-into C++: every problem becomes a ValueError or TypeError that names the argument."""
+"""Checking and normalising the arrays of dot_product_attention before anything is traced
+into C++ (its scalar options are the description's to check: jax_sdpa/call/spec.py): every
+problem becomes a ValueError or TypeError that names the argument."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.call.spec import CallSpec, Operands, describe
+from jax_sdpa.limits import fp8 as fp8_limits
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -19,7 +18,6 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 class DtypeError(TypeError, ValueError):
     """An argument of the wrong dtype: a TypeError, and the ValueError that
     jax.nn.dot_product_attention raises for the same input, so code catching either works."""
-CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,26 +101,6 @@ def _seq_lengths(lengths, batch, name):
             int32_array(lengths, name, shape=(batch,), shape_text="[batch]"))
 
 
-def checked_window(local_window_size):
-    if local_window_size is None:
-        return None
-    if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
-        window = (int(local_window_size), int(local_window_size))
-    elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and
-          all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-              for w in local_window_size)):
-        window = (int(local_window_size[0]), int(local_window_size[1]))
-    else:
-        raise TypeError("local_window_size must be an int or a (left, right) pair of ints, got "
-                        f"{local_window_size!r}")
-    if min(window) < 0:
-        raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
-    return window
-
-
-DEFAULT_MAX_SEGMENTS = 64
-
-
 def _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len):
     """(query ids int32 [B, T], key ids int32 [B, S] or None when they are the queries')."""
     if query_segment_ids is None and kv_segment_ids is None:
@@ -141,57 +119,10 @@ def _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len, kv_seq_len
     return q_ids, kv_ids
 
 
-def _python_number(value, name, integral=False, none_allowed=True):
-    """value as a Python int (integral) or float, else a TypeError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else
-                                                 numbers.Real):
-        kind = "int" if integral else "float"
-        raise TypeError(f"{name} must be a Python {kind}{' or None' if none_allowed else ''}, "
-                        f"got {type(value).__name__}")
-    return int(value) if integral else float(value)
-
-
-def checked_scale(scale, head_dim):
-    """The score scale: 1 / sqrt(head_dim) by default, else a finite Python float."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    scale = _python_number(scale, "scale")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
-
-
-def _max_segments(max_segments):
-    if max_segments is None:
-        return DEFAULT_MAX_SEGMENTS
-    max_segments = _python_number(max_segments, "max_segments", integral=True)
-    if max_segments < 1:
-        raise ValueError(f"max_segments must be >= 1, got {max_segments}")
-    return max_segments
-
-
-def _max_document_length(value, q_ids, q_seq_len, kv_seq_len):
-    """(queries, keys) as ints >= 1, clipped to the rows' lengths, or None."""
-    if value is None:
-        return None
-    if q_ids is None:
-        raise ValueError("max_document_length states a bound on packed documents: it needs "
-                         "query_segment_ids")
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2:
-        raise ValueError(f"max_document_length must be an int or (queries, keys), got {value!r}")
-    pair = tuple(_python_number(n, "max_document_length", integral=True) for n in pair)
-    if min(pair) < 1:
-        raise ValueError(f"max_document_length must be >= 1, got {value!r}")
-    return min(pair[0], q_seq_len), min(pair[1], kv_seq_len)
-
-
-def _dropout(dropout_rate, dropout_rng):
-    rate = _python_number(dropout_rate, "dropout_rate", none_allowed=False)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+def _dropout_rng(rate, dropout_rng):
+    """The PRNG key that draws the dropout mask (a rate > 0 needs one), or None."""
     if rate == 0.0:
-        return 0.0, None
+        return None
     if dropout_rng is None:
         raise ValueError("dropout_rate > 0 needs dropout_rng, a JAX PRNG key "
                          "(jax.random.key(seed) or jax.random.PRNGKey(seed))")
@@ -201,8 +132,7 @@ def _dropout(dropout_rate, dropout_rng):
                                              rng.shape == (2,))):
         raise TypeError("dropout_rng must be one PRNG key (jax.random.key(seed), shape (), or "
                         f"jax.random.PRNGKey(seed), uint32 (2,)), got {rng.dtype} {rng.shape}")
-    return rate, rng
-
+    return rng
 
 def checked_residual_dtype(value, query):
     """The residual's dtype: the query's (as jax.nn) for None, else a floating dtype."""
@@ -215,16 +145,6 @@ def checked_residual_dtype(value, query):
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"residual_dtype must be None or a float dtype, got {dtype}")
     return dtype
-
-
-def checked_soft_cap(cap):
-    """cap as a positive finite float, or None."""
-    if cap is None:
-        return None
-    cap = _python_number(cap, "logits_soft_cap")
-    if not (math.isfinite(cap) and cap > 0.0):
-        raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap}")
-    return cap
 
 
 def checked_sinks(value, q_heads, dtype):
@@ -244,34 +164,21 @@ def checked_sinks(value, q_heads, dtype):
     return array
 
 
-def _fp8(fp8, **options):
-    """The backward's FP8 format ("" without fp8), once the options FP8 takes are checked: the
-    causal mask (top-left), sequence lengths and GQA/MQA, what cuDNN's FP8 graphs run."""
-    if not isinstance(fp8, (bool, np.bool_)):
-        raise TypeError(f"fp8 must be a Python bool, got {type(fp8).__name__}")
-    if not fp8:
-        return ""
-    defaults = dict(causal_alignment="top_left", dropout_rate=0.0)
-    given = [name for name, value in options.items()
-             if value is not None and value != defaults.get(name, None)]
-    if given:
-        raise ValueError(f"fp8=True takes is_causal (top-left) and sequence lengths, not "
-                         f"{', '.join(given)}")
-    return "e5m2"
+def _fp8_options_reason(options, arrays, q_seq_len, kv_seq_len):
+    """Why FP8 attention cannot take this call's options (jax_sdpa/limits/fp8.py), or None."""
+    given = dict(options, **arrays)
+    if not (given.get("is_causal") and q_seq_len != kv_seq_len):
+        given["causal_alignment"] = None  # no band to align
+    return fp8_limits.options_reason(given)
 
 
-def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-             key_value_seq_lengths, local_window_size, implementation, causal_alignment="top_left",
-             dropout_rate=0.0, dropout_rng=None, query_segment_ids=None,
-             kv_segment_ids=None, max_segments=None, logits_soft_cap=None,
-             sinks=None, max_document_length=None, fp8=False) -> AttentionCall:
+def validate(query, key, value, bias=None, mask=None, *, query_seq_lengths=None,
+             key_value_seq_lengths=None, dropout_rng=None, query_segment_ids=None,
+             kv_segment_ids=None, sinks=None, implementation=None, **options) -> AttentionCall:
+    """A dot_product_attention call checked: its arrays here, its scalar options (the rest of
+    the keywords) by the description (spec.describe)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if causal_alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got "
-                         f"{causal_alignment!r}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
     query = _as_array(query, "query")
     key = _as_array(key, "key")
     value = _as_array(value, "value")
@@ -279,7 +186,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         _check_float(array, name)
     if not query.dtype == key.dtype == value.dtype:
         raise DtypeError(f"query, key and value must share one dtype, got {query.dtype}, "
-                        f"{key.dtype} and {value.dtype}")
+                         f"{key.dtype} and {value.dtype}")
     if not query.ndim == key.ndim == value.ndim:
         raise ValueError(f"query, key and value must have the same rank, got shapes "
                          f"{query.shape}, {key.shape} and {value.shape}")
@@ -300,7 +207,6 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the number "
                          f"of key/value heads ({kv_heads})")
-    scale = checked_scale(scale, head_dim)
     target = (batch, q_heads, q_seq_len, kv_seq_len)
     if bias is not None:
         bias = _as_array(bias, "bias")
@@ -313,38 +219,26 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         mask = _broadcastable_4d(mask, target, "mask")
     q_ids, kv_ids = _segment_ids(query_segment_ids, kv_segment_ids, batch, q_seq_len,
                                  kv_seq_len)
-    rate, rng = _dropout(dropout_rate, dropout_rng)
     q_lengths = _seq_lengths(query_seq_lengths, batch, "query_seq_lengths")
     # One array given for both stays one (AttentionCall.same_lengths).
     kv_lengths = (q_lengths if key_value_seq_lengths is query_seq_lengths else
                   _seq_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"))
-    fp8 = _fp8(fp8, bias=bias, mask=mask, local_window_size=local_window_size,
-               causal_alignment=(causal_alignment if is_causal and q_seq_len != kv_seq_len
-                                 else "top_left"),
-               dropout_rate=rate, query_segment_ids=q_ids, logits_soft_cap=logits_soft_cap,
-               sinks=sinks)
-    window = checked_window(local_window_size)
-    left, right = window or (-1, -1)
-    if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    banded = left >= 0 or right >= 0
-    ids = "" if q_ids is None else ("self" if kv_ids is None else "cross")
-    segments_per_row = _max_segments(max_segments)
-    spec = CallSpec(
-        scale=scale, window_left=left, window_right=right,
-        bottom_right=banded and causal_alignment == "bottom_right" and q_seq_len != kv_seq_len,
-        dropout=rate, implementation="xla",
-        has_bias=bias is not None, bias_batch_full=bias is not None and bias.shape[0] > 1,
-        bias_heads_full=bias is not None and bias.shape[1] > 1, bias_grad=bias is not None,
+    described = Operands(
+        head_dim=head_dim, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
+        bias_shape=None if bias is None else bias.shape,
         has_lengths=q_lengths is not None or kv_lengths is not None,
         same_lengths=q_lengths is not None and kv_lengths is q_lengths,
-        segments=ids, max_segments=segments_per_row if ids else 0,
-        max_document_length=_max_document_length(max_document_length, q_ids, q_seq_len,
-                                                 kv_seq_len) or (),
-        logits_soft_cap=checked_soft_cap(logits_soft_cap) or 0.0,
-        has_sinks=sinks is not None, fp8=fp8)
+        segments="" if q_ids is None else ("self" if kv_ids is None else "cross"),
+        has_sinks=sinks is not None)
+    spec = describe(described, **options)
+    if spec.fp8:
+        reason = _fp8_options_reason(options, dict(
+            bias=bias, mask=mask, query_segment_ids=q_ids, sinks=sinks), q_seq_len, kv_seq_len)
+        if reason:
+            raise ValueError(reason)
     return AttentionCall(
         spec=spec, query=query, key=key, value=value, bias=bias, mask=mask,
         query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-        output_shape=output_shape, dropout_rng=rng, query_segment_ids=q_ids,
-        kv_segment_ids=kv_ids, sinks=checked_sinks(sinks, q_heads, query.dtype))
+        output_shape=output_shape, dropout_rng=_dropout_rng(spec.dropout, dropout_rng),
+        query_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        sinks=checked_sinks(sinks, q_heads, query.dtype))

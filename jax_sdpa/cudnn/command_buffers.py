@@ -1,6 +1,6 @@
 """Whether our calls use the FFI targets XLA may record into its command buffers (CUDA graphs):
 JAX_SDPA_COMMAND_BUFFERS=1 all of them (but a checked packed call's ragged call, which waits for
-the grid the device chose: jax_sdpa/kernels.py), unset or 0 none.
+the grid the device chose: jax_sdpa/packing/ragged.py), unset or 0 none.
 
 Not recording is the default because a recorded call costs host time on every run whose
 buffers moved (a training step's always do): XLA updates the command buffer by capturing the

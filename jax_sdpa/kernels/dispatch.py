@@ -6,7 +6,7 @@ chosen by the CallSpec.
     backward(spec, inputs, output, lse, d_output) -> (dq, dk, dv, dbias or None)
 
 inputs: the spec's arrays by name (call_spec.INPUTS). This is what the sharding rules run per
-device. Sinks are applied here, after whichever kernel ran (sinks.py).
+device. Sinks are applied here, after whichever kernel ran (sink_softmax.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_sdpa.cudnn import dense
 from jax_sdpa.cudnn import paged as paged_target
-from jax_sdpa.kernels import fp8, sinks
+from jax_sdpa.kernels import fp8, sink_softmax
 from jax_sdpa.packing import ragged
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference import kernel as reference_kernel
@@ -39,12 +39,12 @@ def forward(spec, inputs):
         # padding mode: rows whose every score is masked come back non-finite.
         output, lse = empty_rows.clear_nonfinite_rows(output, lse)
     if spec.has_sinks:
-        output, lse = sinks.apply(output, lse, inputs["sinks"])
+        output, lse = sink_softmax.apply(output, lse, inputs["sinks"])
     return output, lse
 
 
 def backward(spec, inputs, output, lse, d_output):
-    """With sinks, output and lse are the sink attention's (sinks.py): given those, cuDNN's
+    """With sinks, output and lse are the sink attention's (sink_softmax.py): given those, cuDNN's
     backward is the sink attention's; a reference backward recomputes with the sinks."""
     if spec.implementation == "xla":
         return reference_kernel.backward(spec, inputs, output, lse, d_output)
@@ -60,7 +60,7 @@ def backward(spec, inputs, output, lse, d_output):
         if spec.has_sinks and empty_rows.packed_rows_may_see_nothing(spec):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the
             # packed backward would grade: nothing flows back through them.
-            kept = sinks.rows_kept(lse, inputs["sinks"])
+            kept = sink_softmax.rows_kept(lse, inputs["sinks"])
             d_output = jnp.where(kept[..., None], d_output, 0)
         return (*ragged.backward(spec, _without_sinks(inputs), output, lse, d_output), None)
     return tuple(dense.backward(_without_sinks(inputs), output, lse, d_output, spec))
@@ -79,7 +79,7 @@ def _paged_forward(spec, inputs):
     seen = empty_rows.paged_rows_seeing_keys(query.shape[1], inputs["kv_lengths"])
     lse = jnp.where(seen[:, None, :], lse, large_negative())
     if spec.has_sinks:
-        output, lse = sinks.apply(output, lse, inputs["sinks"])
+        output, lse = sink_softmax.apply(output, lse, inputs["sinks"])
     return output, lse
 
 

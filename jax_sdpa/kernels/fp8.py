@@ -1,6 +1,7 @@
-"""FP8 attention on cuDNN (sdpa_fp8 / sdpa_fp8_backward): the inputs quantized with
-fp8_scaling.py's scales, our FFI calls, and the FP8 results dequantized to the inputs' dtypes.
-On Hopper cuDNN writes the output and the gradients in FP8 only, so dequantizing them is ours.
+"""FP8 attention on cuDNN (the FP8 targets): the inputs quantized with
+reference/fp8_scaling.py's scales, our FFI calls, and the FP8 results dequantized to the
+inputs' dtypes. On Hopper cuDNN writes the output and the gradients in FP8 only, so dequantizing
+them is ours.
 The backward re-quantizes the forward's inputs and output (the same scales give the same
 FP8 tensors), so the residuals stay those of every other call."""
 

@@ -9,7 +9,7 @@ resharded to that layout by the rule, never an error. Sequence parallelism is ja
 
 Layers, outside in: custom_vmap (under vmap the kernel's own batching runs: JAX's
 custom_partitioning has no batching rule) -> custom_partitioning (the rule) -> the kernel
-(jax_sdpa/kernels.py, which the CallSpec picks).
+(jax_sdpa/kernels/dispatch.py, which the CallSpec picks).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sdpa.kernels import sharding as sharding_rules
-from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.kernels import sink_softmax
 from jax_sdpa.call.spec import CallSpec
 
 _DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")

@@ -14,15 +14,23 @@ MIN_FP8_COMPUTE_CAPABILITY = (9, 0)  # Hopper: FP8 tensor cores
 MIN_FP8_BACKWARD_SEQ_LEN = 64
 
 
+# What FP8 attention takes beside Q, K, V: the scale, the causal mask (top-left), sequence
+# lengths (and max_segments, which only packed rows read).
+_TAKEN = ("scale", "is_causal", "fp8", "max_segments", "query_seq_lengths",
+          "key_value_seq_lengths")
+# An option at one of these values is not given.
+_NOT_GIVEN = (None, False, 0.0, "top_left")
+
+
 def options_reason(options: dict, *, subject="fp8=True") -> str | None:
-    """None if FP8 attention takes these options ({name: value}: None or its default means not
-    given), else why not."""
-    defaults = dict(causal_alignment="top_left", dropout_rate=0.0)
-    given = [name for name, value in options.items()
-             if value is not None and value != defaults.get(name, None)]
-    if given:
+    """None if FP8 attention takes these options ({name: value}; None, False, 0 or "top_left"
+    means not given), else why not, naming each it does not take."""
+    refused = [name for name, value in options.items() if name not in _TAKEN and
+               not any(value is default or (type(value) is type(default) and value == default)
+                       for default in _NOT_GIVEN)]
+    if refused:
         return (f"{subject} takes is_causal (top-left) and sequence lengths, not "
-                f"{', '.join(given)}")
+                f"{', '.join(refused)}")
     return None
 
 

@@ -7,9 +7,9 @@ checked packed call compiles this branch beside its ragged ones), and its graphs
 when it first runs, not while tracing: most checked calls never run it (their workspace is
 scratch memory).
 
-The rows come out as the reference gives them (jax_sdpa/reference.py): a row that sees no key
-is the mean of all values, rows past the query lengths and rows of an entry without keys are
-zeros, their lse the empty row's. cuDNN leaves such a row non-finite (every score -inf).
+The rows come out as the reference gives them (jax_sdpa/reference/empty_rows.py): a row that
+sees no key is the mean of all values, rows past the query lengths and rows of an entry without
+keys are zeros, their lse the empty row's. cuDNN leaves such a row non-finite (every score -inf).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def forward(spec, inputs):
 
 def backward(spec, inputs, output, lse, d_output):
     """(dq, dk, dv): forward's gradients, given its output and lse (a sink attention's, as
-    every cuDNN backward takes them: jax_sdpa/kernels/sinks.py)."""
+    every cuDNN backward takes them: jax_sdpa/kernels/sink_softmax.py)."""
     value = inputs["value"]
     # Rows that see no key hold the empty row's lse (forward's fill): they are not cuDNN's to
     # grade, and that huge negative must not reach its exp(scores - lse): 0 there, with no

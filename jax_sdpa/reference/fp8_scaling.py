@@ -1,6 +1,6 @@
 """The FP8 recipe of dot_product_attention(fp8=True): which tensors are quantized to which
-format, and with which scale. The cuDNN path (fp8_kernels.py) and the reference
-(fp8_reference.py) both take their scales from here, so both round the same numbers the same
+format, and with which scale. The cuDNN path (kernels/fp8.py) and the reference
+(reference/fp8.py) both take their scales from here, so both round the same numbers the same
 way.
 
 Forward, per-tensor current scaling: Q, K, V in e4m3 with scale = 448 / amax (computed on the

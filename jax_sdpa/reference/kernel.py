@@ -3,7 +3,7 @@ name (its band as CallSpec holds it, a bias that already holds the mask, lse as 
 residual).
 
 It serves three purposes: the "xla" implementation of the kernel layer, so the sharding rules
-(jax_sdpa/sharding_rules.py) run and are tested on any backend (CI checks on 8 CPU devices that a
+(jax_sdpa/kernels/sharding.py) run and are tested on any backend (CI checks on 8 CPU devices that a
 sharded call compiles to per-device kernels with no collectives, with exactly the code path the
 GPU runs, only the kernel swapped); and the backward of a cuDNN forward whose backward cuDNN
 cannot run, for packed segment ids query block by query block (memory O(block x S), never

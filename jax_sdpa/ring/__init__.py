@@ -12,8 +12,8 @@ so every device does the same work at every step (zigzag_permute puts a sequence
 zigzag_unpermute takes it back). layout="contiguous" is the plain split: device d waits idle on
 the blocks after its own.
 
-strategy="all_gather" gathers every block once instead (jax_sdpa/ring_all_gather.py); the
-blocks' kernels and their merge are shared (jax_sdpa/ring_blocks.py).
+strategy="all_gather" gathers every block once instead (jax_sdpa/ring/all_gather.py); the
+blocks' kernels and their merge are shared (jax_sdpa/ring/blocks.py).
 
     from jax.sharding import PartitionSpec as P
     fn = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", is_causal=True),
@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa.call import plan as planning
+from jax_sdpa.call import planning, validation
+from jax_sdpa.call.spec import checked_scale, checked_soft_cap
+from jax_sdpa.kernels import sink_softmax
+from jax_sdpa.limits import dense, device
 from jax_sdpa.ring import all_gather as ring_all_gather
-from jax_sdpa.call import validation
-from jax_sdpa.kernels import sinks as sink_softmax
 from jax_sdpa.ring.blocks import (DIAGONAL, FULL, SKIP, Scores, block_backward, block_forward,
                                  merge, split_chunks, with_sinks)
 
@@ -137,7 +138,7 @@ def _ring_bwd(axis_name, is_causal, scores, layout, implementation, residuals, c
     q, k, v, sinks, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
     # Given the sink attention's out and lse, each block's backward is its exact share
-    # (jax_sdpa/sink_softmax.py); rows the sink took whole pass nothing back.
+    # (jax_sdpa/kernels/sink_softmax.py); rows the sink took whole pass nothing back.
     if sinks is not None:
         d_out = jnp.where(sink_softmax.rows_kept(lse, sinks)[..., None], d_out, 0)
     dq, dk, dv = _ring_backward_pass(q, k, v, out, lse, d_out, axis_name, is_causal, scores,
@@ -159,15 +160,16 @@ def _mesh_platform(x):
 
 def _implementation(query, key, value, requested, q_block, kv_block, logits_soft_cap):
     """"cudnn" where the block attention (forward and backward) can run there, else "xla":
-    decided, warned about or refused as dot_product_attention decides (jax_sdpa/planning.py)."""
-    reason = planning.device_reason()
+    decided, warned about or refused as dot_product_attention decides
+    (jax_sdpa/call/planning.py)."""
+    reason = device.device_reason()
     platform = _mesh_platform(query)
     if reason is None and platform not in (None, "gpu", "cuda"):
         reason = f"the ring's mesh is on {platform} devices"
-    reason = reason or planning.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
+    reason = reason or dense.kernel_reason(query.dtype, (("head_dim", query.shape[-1]),
                                                             ("value head_dim", value.shape[-1])))
-    reason = reason or planning.soft_cap_reason(logits_soft_cap)
-    reason = reason or planning.backward_reason(q_block, kv_block, query.shape[-1],
+    reason = reason or dense.soft_cap_reason(logits_soft_cap)
+    reason = reason or dense.backward_reason(q_block, kv_block, query.shape[-1],
                                                 value.shape[-1], logits_soft_cap)
     return "cudnn" if planning.use_cudnn(reason, requested, query.dtype,
                                                 "this ring attention") else "xla"
@@ -189,7 +191,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     whole sequence's keys and values once and attends each local query chunk to them (causal:
     a diagonal call over the chunk's own keys plus one unmasked call over the keys before it;
     dk, dv reduce-scattered home): fewer, larger kernels at the cost of the full K/V and
-    float32 dk, dv on every device (jax_sdpa/ring_all_gather.py). Returns the
+    float32 dk, dv on every device (jax_sdpa/ring/all_gather.py). Returns the
     local output block (and, with return_residual, the float32 log-sum-exp [B, T/P, N] of the
     global softmax rows, the sink included).
     """
@@ -209,8 +211,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, scale=None,
     if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
         raise ValueError(f"layout='zigzag' needs even blocks, got {query.shape[1]} and "
                          f"{key.shape[1]}")
-    scale = validation.checked_scale(scale, query.shape[-1])
-    logits_soft_cap = validation.checked_soft_cap(logits_soft_cap)
+    scale = checked_scale(scale, query.shape[-1])
+    logits_soft_cap = checked_soft_cap(logits_soft_cap)
     sinks = validation.checked_sinks(sinks, query.shape[2], query.dtype)
     parts = len(_chunks(layout, 0, 1))
     scores = Scores(scale, logits_soft_cap)

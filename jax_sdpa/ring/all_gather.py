@@ -10,7 +10,7 @@ diagonal aligned bottom-right on the actual key count gives the same answer, but
 two H200s cuDNN 9.19 then computes the masked tiles too (0.78 of linear, against 0.92 for the
 ring). Without causality each chunk is one call over all keys.
 
-The backward is the ring's (jax_sdpa/ring_blocks.py): each piece's kernel backward given the
+The backward is the ring's (jax_sdpa/ring/blocks.py): each piece's kernel backward given the
 chunk's global output and log-sum-exp; dk, dv over the gathered sequence go home through the
 all-gather's transpose, a reduce-scatter. The exchange is the whole K/V once forward and once
 backward instead of P - 1 ring steps. On two H200s it beat the ring for MHA and GQA alike
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.kernels import sink_softmax
 from jax_sdpa.ring.blocks import (DIAGONAL, FULL, block_backward, block_forward, merge,
                                  split_chunks, with_sinks)
 
@@ -70,7 +70,7 @@ def _attend_fwd(q, k, v, k_all, v_all, sinks, indices, is_causal, scores, implem
 def _attend_bwd(is_causal, scores, implementation, residuals, cotangents):
     q, k, v, k_all, v_all, sinks, indices, out, lse = residuals
     d_out = cotangents[0]  # the lse carries no gradient, as elsewhere
-    if sinks is not None:  # rows the sink took whole pass nothing back (jax_sdpa/sink_softmax.py)
+    if sinks is not None:  # rows the sink took whole pass nothing back (sink_softmax.py)
         d_out = jnp.where(sink_softmax.rows_kept(lse, sinks)[..., None], d_out, 0)
     parts = len(indices)
     dq, dk_own, dv_own = [], [], []

@@ -1,7 +1,7 @@
 """One block of context-parallel attention: a query chunk against a key/value chunk, forward and
 backward, and the merge of partial results through their log-sum-exp. Both strategies of
-ring_attention (jax_sdpa/ring.py: blocks travel around the ring; jax_sdpa/ring_all_gather.py:
-every device gathers every block) are made of these.
+ring_attention (ring/__init__.py: blocks travel around the ring; ring/all_gather.py: every
+device gathers every block) are made of these.
 
 The backward of a block is given the *global* output and log-sum-exp of its query rows as its
 statistics: cuDNN's backward then returns that block's exact share of dq, dk, dv
@@ -17,7 +17,7 @@ from jax import lax
 
 from jax_sdpa.cudnn import command_buffers
 from jax_sdpa.kernels import dispatch as kernels
-from jax_sdpa.kernels import sinks as sink_softmax
+from jax_sdpa.kernels import sink_softmax
 from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.reference.attention import fold_heads, repeat_heads
 

@@ -1,0 +1,118 @@
+"""Planning a call: whether cuDNN can run it (and its backward), asking each feature's limits
+(jax_sdpa/limits/), and if so its CallSpec refined for cuDNN (an equivalent band, the operands'
+layout, the implementation); if not, the one place that warns or raises, with the limit's
+reason. dot_product_attention, paged_attention, ring attention and jax_sdpa.fp8 all decide
+here, so they warn (or, with implementation="cudnn", raise) the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.call.validation import AttentionCall
+from jax_sdpa.common.warn import warn
+from jax_sdpa.cudnn import command_buffers
+from jax_sdpa.limits import dense, device, fp8, packed
+
+
+def call_reason(call: AttentionCall) -> str | None:
+    """None if cuDNN can run this (validated) call's forward, else why not. Ignores the
+    device."""
+    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
+    reason = dense.kernel_reason(call.query.dtype, (("head_dim", head_dim),
+                                                    ("value head_dim", head_dim_v)))
+    if reason is None and call.spec.fp8:
+        reason = fp8.fp8_reason(head_dim, head_dim_v, call.query.shape[1], call.key.shape[1])
+    return (reason or dense.soft_cap_reason(call.spec.logits_soft_cap or None) or
+            dense.diagonal_band(call)[1])
+
+
+def use_cudnn(reason: str | None, implementation, dtype, subject: str = "this call") -> bool:
+    """True if cuDNN runs it. Else the reference path: silently where nothing is lost (no GPU,
+    or inputs cuDNN never takes, as jax.nn picks XLA silently), with a warning naming why
+    where it is a speed cliff (implementation=None, float16/bfloat16 on an NVIDIA GPU), or
+    NotImplementedError naming why (implementation="cudnn")."""
+    if implementation == "xla":
+        return False
+    if reason is None:
+        return True
+    if implementation == "cudnn":
+        raise NotImplementedError(f"implementation='cudnn' cannot run {subject}: {reason}")
+    if fallback_costs_speed(dtype):
+        warn(f"jax_sdpa: using the XLA reference path for {subject} because {reason}")
+    return False
+
+
+def fallback_costs_speed(dtype) -> bool:
+    """Whether leaving cuDNN loses speed a user expects: an NVIDIA GPU is there and the inputs
+    are float16/bfloat16 (elsewhere jax.nn, too, runs XLA silently)."""
+    return device.device_reason() is None and jnp.dtype(dtype) in map(jnp.dtype,
+                                                                       dense.CUDNN_DTYPES)
+
+
+def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
+    """The bias operand's presence and broadcast axes: the user's bias plus a mask's (and dense
+    segment ids', [B, 1, T, S]) as one additive bias."""
+    shapes = [x.shape for x in (call.bias, call.mask) if x is not None]
+    if dense_segments:
+        shapes.append((call.query.shape[0], 1))
+    if not shapes:
+        return {}
+    return dict(has_bias=True, bias_batch_full=any(s[0] > 1 for s in shapes),
+                bias_heads_full=any(s[1] > 1 for s in shapes),
+                bias_grad=call.bias is not None)
+
+
+def _backward_reason(call: AttentionCall) -> str | None:
+    spec = call.spec
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
+    reason = dense.backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
+                                   spec.logits_soft_cap or None, spec.bias_grad)
+    if reason is None and spec.fp8:
+        reason = fp8.fp8_backward_reason(q_seq_len, kv_seq_len, head_dim)
+    return reason
+
+
+def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
+    """The call's spec as it runs: refined for cuDNN (implementation "cudnn"), or as validated
+    for the reference path (after its warning, or NotImplementedError with
+    implementation="cudnn")."""
+    spec = call.spec
+    if spec.fp8:
+        reason = fp8.options_reason(dict(deterministic=bool(deterministic) or None))
+        if reason:
+            raise ValueError(reason)
+    reason = device.device_reason() or call_reason(call)
+    backward = None if reason else _backward_reason(call)
+    if backward is not None and spec.dropout > 0.0:
+        # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
+        reason = f"{backward}, and with dropout the forward must run where the backward does"
+    if not use_cudnn(reason, implementation, call.query.dtype):
+        return spec
+    band, _ = dense.diagonal_band(call)
+    backward_kernel = None
+    if backward is not None:
+        if implementation == "cudnn":
+            raise NotImplementedError(f"implementation='cudnn' cannot run this call's "
+                                      f"backward: {backward}")
+        warn(f"jax_sdpa: the backward of this call takes the XLA reference path because "
+             f"{backward}")
+        backward_kernel = "xla"
+    dense_segments = False
+    if spec.segments:
+        dense_reason = packed.ragged_reason(call)
+        if dense_reason is not None:
+            warn(f"jax_sdpa: segment ids take the dense path because {dense_reason}")
+            dense_segments = True
+    ragged = bool(spec.segments) and not dense_segments
+    return dataclasses.replace(
+        spec, **band, deterministic=bool(deterministic), implementation="cudnn",
+        backward_implementation=backward_kernel, segments=spec.segments if ragged else "",
+        max_segments=spec.max_segments if ragged else 0,
+        max_document_length=spec.max_document_length if ragged else (),
+        command_buffer=command_buffers.command_buffers(),
+        **_bias_layout(call, dense_segments))
