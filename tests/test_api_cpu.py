@@ -185,3 +185,14 @@ def test_without_cudnn_installed_the_library_answers(monkeypatch):
     np.testing.assert_allclose(np.asarray(jax_sdpa.dot_product_attention(
         q, k, v, implementation="xla"), np.float32),
                                np.asarray(theirs(q, k, v), np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_tests_needing_the_devtools_build_skip_naming_it(monkeypatch):
+    """A plain `pip install .` has no jax_sdpa._sdpa_devtools: the tests that need it (poisoned
+    twins, graph files) skip and say which build they need, rather than fail."""
+    import sys  # noqa: PLC0415
+
+    from poisoning import devtools_extension  # noqa: PLC0415
+    monkeypatch.setitem(sys.modules, "jax_sdpa._sdpa_devtools", None)  # import fails
+    with pytest.raises(pytest.skip.Exception, match="devtools build"):
+        devtools_extension()
