@@ -10,10 +10,10 @@ from jax_sdpa.cudnn.extension import (cudnn_version, export_disabled_checks, gra
                                  register_ffi_targets)
 from jax_sdpa.api.attention import dot_product_attention
 from jax_sdpa.api.paged import paged_attention, paged_kv_update
-from jax_sdpa.reference.attention import attention_reference
+from jax_sdpa.reference.attention import alibi_slopes, attention_reference
 from jax_sdpa.api.varlen import varlen_attention
 
 __all__ = ["dot_product_attention", "varlen_attention", "paged_attention", "paged_kv_update",
-           "attention_reference", "cudnn_version",
+           "attention_reference", "alibi_slopes", "cudnn_version",
            "export_disabled_checks", "graph_cache_stats", "register_ffi_targets"]
 __version__ = "0.1.0"

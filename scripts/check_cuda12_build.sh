@@ -18,8 +18,8 @@ python -m pip install -q --no-deps "nvidia-cudnn-cu12>=9.8" "nvidia-cuda-runtime
 python -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/cu12 .
 cd /tmp
 python - <<'PY'
-from jax_sdpa import _extension
-module = _extension.extension()
+from jax_sdpa.cudnn import extension
+module = extension.extension()
 print("CUDA 12 build: jax_sdpa extension built against cuDNN", module.cudnn_header_version(),
-      "loads cuDNN", module.cudnn_version(), "with targets", sorted(_extension.target_names().values()))
+      "loads cuDNN", module.cudnn_version(), "with targets", sorted(module.registrations()))
 PY

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) with everything jax_sdpa needs, and builds the C++ extension into it
 # (an editable install: edits to jax_sdpa/*.py apply at once; ffi/*.cc rebuild on the next run).
-# A compile error in ffi/ fails this script. Uses PYTHON if set, else a python3 of 3.11+.
+# A compile error in ffi/ fails this script. Uses PYTHON if set, else a python3 of 3.11+; VENV
+# names another environment folder (default .venv: CI's second Python has its own).
 # With an NVIDIA GPU (nvidia-smi answers) it installs the CUDA 13 runtime too (the cuda13
 # extra and jax[cuda13]); without one, only what building the extension needs: cuDNN's and the
 # CUDA runtime's wheels without their own dependencies (cuBLAS and the rest are for running).
@@ -23,13 +24,14 @@ else
   [ -n "$python" ] || fail "no Python 3.11 or newer found (python3 is $(python3 --version 2>&1)): jax_sdpa needs JAX 0.10 or newer, which runs on Python 3.11 or newer; install one and set PYTHON to it"
   [ "$python" = python3 ] || echo "setup_env.sh: python3 is $(python3 --version 2>&1), too old for JAX 0.10: using $python"
 fi
-if [ ! -x .venv/bin/python ]; then
-  echo "setup_env.sh: creating .venv with $("$python" --version 2>&1)"
-  "$python" -m venv .venv || fail "could not create .venv with $python (is python3-venv installed?)"
+venv="${VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup_env.sh: creating $venv with $("$python" --version 2>&1)"
+  "$python" -m venv "$venv" || fail "could not create $venv with $python (is python3-venv installed?)"
 fi
-. .venv/bin/activate
+. "$venv/bin/activate"
 pip() { python -m pip --disable-pip-version-check "$@"; }
-pip install -q --upgrade pip || fail "could not upgrade pip in .venv"
+pip install -q --upgrade pip || fail "could not upgrade pip in $venv"
 # The build requirements, read from pyproject.toml, installed once into the venv so that the
 # extension builds without an isolated environment (cuDNN's wheel is large).
 build_requires=$(python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))") \

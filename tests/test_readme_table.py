@@ -85,6 +85,9 @@ EXAMPLES = {
         call(fp8=True, head_dim=72), call(fp8=True, head_dim=64, value_head_dim=128)],
     "fp8=True with a single query (T = 1)": [
         call(fp8=True, head_dim=128, q_seq=1, kv_seq=1), call(fp8=True, head_dim=128, q_seq=1)],
+    "score_mod, alibi_slopes": [
+        call(score_mod=lambda s, b, h, i, j: s * 0.5),
+        call(alibi_slopes=jnp.ones((N,), jnp.float32), is_causal=True)],
     "sinks [N], with their gradient": [
         call(sinks=jnp.zeros((N,), jnp.float32), is_causal=True),
         call(sinks=jnp.zeros((N,), jnp.float32), query_segment_ids=jnp.zeros((B, T), jnp.int32),

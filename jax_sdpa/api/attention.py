@@ -18,7 +18,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           deterministic=False, causal_alignment="top_left", dropout_rate=0.0,
                           dropout_rng=None, query_segment_ids=None, kv_segment_ids=None,
                           max_segments=None, logits_soft_cap=None, sinks=None,
-                          max_document_length=None, residual_dtype=None, fp8=False):
+                          max_document_length=None, residual_dtype=None, fp8=False,
+                          score_mod=None, alibi_slopes=None):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + bias) V``, per head.
 
     Args:
@@ -91,6 +92,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         (top-left), sequence lengths and GQA/MQA, nothing else. The XLA path computes the same
         roundings. Not in jax.nn.
 
+      score_mod: None or a function ``score_mod(score, batch, head, q_index, kv_index) ->
+        score`` of the scaled (and soft-capped) float32 scores ``scale * Q K^T`` and their int32
+        indices (query head; row positions), applied elementwise before the bias and masks, as
+        FlexAttention's. It may close over arrays (a per-head table, learnable: gradients flow
+        to them). Runs on the XLA reference path (with a warning on a GPU). Not in jax.nn.
+      alibi_slopes: None or float32 ``[N]`` or ``[B, N]``: ALiBi, ``score - slope * |i + S - T
+        - j|`` (flash-attn's convention), after score_mod; ``jax_sdpa.alibi_slopes(N)`` gives
+        the standard slopes. Runs on the XLA reference path. Not in jax.nn.
+
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
     """
@@ -103,7 +113,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                     dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
                     kv_segment_ids=kv_segment_ids, max_segments=max_segments,
                     logits_soft_cap=logits_soft_cap, sinks=sinks,
-                    max_document_length=max_document_length, fp8=fp8)
+                    max_document_length=max_document_length, fp8=fp8, score_mod=score_mod,
+                    alibi_slopes=alibi_slopes)
     spec = planning.plan(call, implementation, deterministic=bool(deterministic))
     if spec.implementation == "cudnn" or spec.fp8:  # FP8's arithmetic lives in the kernels
         output, lse = fused_path.run(call, spec)

@@ -26,7 +26,8 @@ def call_reason(call: AttentionCall) -> str | None:
                                                     ("value head_dim", head_dim_v)))
     if reason is None and call.spec.fp8:
         reason = fp8.fp8_reason(head_dim, head_dim_v, call.query.shape[1], call.key.shape[1])
-    return (reason or dense.soft_cap_reason(call.spec.logits_soft_cap or None) or
+    return (reason or dense.score_mod_reason(call.spec.has_score_mod) or
+            dense.soft_cap_reason(call.spec.logits_soft_cap or None) or
             dense.diagonal_band(call)[1])
 
 

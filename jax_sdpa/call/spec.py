@@ -92,6 +92,9 @@ class CallSpec:
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
     # the sink's share of each row (jax_sdpa/kernels/sink_softmax.py); cuDNN itself never sees it.
     has_sinks: bool = False
+    # A score modifier (score_mod, alibi_slopes): the reference path computes it
+    # (limits/dense.py says why cuDNN does not yet).
+    has_score_mod: bool = False
     # FP8 attention (jax_sdpa/reference/fp8_scaling.py's recipe): "" none, else the backward's
     # format ("e5m2" or "e4m3") for dO, dS and the gradients; Q, K, V, P and O are e4m3.
     fp8: str = ""
@@ -187,6 +190,7 @@ class Operands(NamedTuple):
     same_lengths: bool  # one lengths array given for both sides
     segments: str  # "", "self", "cross"
     has_sinks: bool
+    has_score_mod: bool = False  # score_mod or alibi_slopes
 
 
 def python_number(value, name, integral=False, none_allowed=True):
@@ -306,4 +310,4 @@ def describe(operands: Operands, *, scale=None, is_causal=False, local_window_si
         max_segments=segments_per_row if operands.segments else 0,
         max_document_length=_max_document_length(max_document_length, operands),
         logits_soft_cap=checked_soft_cap(logits_soft_cap) or 0.0, has_sinks=operands.has_sinks,
-        fp8=_fp8_format(fp8))
+        has_score_mod=operands.has_score_mod, fp8=_fp8_format(fp8))

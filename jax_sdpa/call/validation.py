@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jax_sdpa.call.spec import CallSpec, Operands, describe
 from jax_sdpa.limits import fp8 as fp8_limits
+from jax_sdpa.reference.attention import alibi
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -40,6 +41,8 @@ class AttentionCall:
     query_segment_ids: jnp.ndarray | None = None
     kv_segment_ids: jnp.ndarray | None = None
     sinks: jnp.ndarray | None = None  # float [N], one logit per query head
+    # score_mod(score, batch, head, q_index, kv_index), ALiBi's included (alibi_slopes), or None
+    score_mod: object = None
 
     @property
     def diagonal_offset(self) -> int:
@@ -164,6 +167,29 @@ def checked_sinks(value, q_heads, dtype):
     return array
 
 
+def checked_score_mod(score_mod, alibi_slopes, batch, q_heads, q_seq_len, kv_seq_len):
+    """One score modifier of the call (reference/attention.py's convention), ALiBi's after the
+    user's, or None."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function score_mod(score, batch, head, q_index, "
+                        f"kv_index) -> score, got {type(score_mod).__name__}")
+    if alibi_slopes is None:
+        return score_mod
+    slopes = _as_array(alibi_slopes, "alibi_slopes")
+    if slopes.dtype != jnp.float32:
+        raise DtypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.shape not in ((q_heads,), (batch, q_heads)):
+        raise ValueError(f"alibi_slopes must have shape [num_query_heads] = ({q_heads},) or "
+                         f"[batch, num_query_heads] = ({batch}, {q_heads}), got {slopes.shape}")
+    with_alibi = alibi(slopes, q_seq_len, kv_seq_len)
+    if score_mod is None:
+        return with_alibi
+
+    def both(score, *indices):
+        return with_alibi(score_mod(score, *indices), *indices)
+    return both
+
+
 def _fp8_options_reason(options, arrays, q_seq_len, kv_seq_len):
     """Why FP8 attention cannot take this call's options (jax_sdpa/limits/fp8.py), or None."""
     given = dict(options, **arrays)
@@ -174,7 +200,8 @@ def _fp8_options_reason(options, arrays, q_seq_len, kv_seq_len):
 
 def validate(query, key, value, bias=None, mask=None, *, query_seq_lengths=None,
              key_value_seq_lengths=None, dropout_rng=None, query_segment_ids=None,
-             kv_segment_ids=None, sinks=None, implementation=None, **options) -> AttentionCall:
+             kv_segment_ids=None, sinks=None, score_mod=None, alibi_slopes=None,
+             implementation=None, **options) -> AttentionCall:
     """A dot_product_attention call checked: its arrays here, its scalar options (the rest of
     the keywords) by the description (spec.describe)."""
     if implementation not in IMPLEMENTATIONS:
@@ -229,11 +256,13 @@ def validate(query, key, value, bias=None, mask=None, *, query_seq_lengths=None,
         has_lengths=q_lengths is not None or kv_lengths is not None,
         same_lengths=q_lengths is not None and kv_lengths is q_lengths,
         segments="" if q_ids is None else ("self" if kv_ids is None else "cross"),
-        has_sinks=sinks is not None)
+        has_sinks=sinks is not None,
+        has_score_mod=score_mod is not None or alibi_slopes is not None)
     spec = describe(described, **options)
     if spec.fp8:
         reason = _fp8_options_reason(options, dict(
-            bias=bias, mask=mask, query_segment_ids=q_ids, sinks=sinks), q_seq_len, kv_seq_len)
+            bias=bias, mask=mask, query_segment_ids=q_ids, sinks=sinks, score_mod=score_mod,
+            alibi_slopes=alibi_slopes), q_seq_len, kv_seq_len)
         if reason:
             raise ValueError(reason)
     return AttentionCall(
@@ -241,4 +270,6 @@ def validate(query, key, value, bias=None, mask=None, *, query_seq_lengths=None,
         query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         output_shape=output_shape, dropout_rng=_dropout_rng(spec.dropout, dropout_rng),
         query_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        sinks=checked_sinks(sinks, q_heads, query.dtype))
+        sinks=checked_sinks(sinks, q_heads, query.dtype),
+        score_mod=checked_score_mod(score_mod, alibi_slopes, batch, q_heads, q_seq_len,
+                                    kv_seq_len))

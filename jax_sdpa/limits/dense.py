@@ -24,6 +24,14 @@ def kernel_reason(dtype, head_dims) -> str | None:
     return None
 
 
+def score_mod_reason(has_score_mod) -> str | None:
+    """None if the call has no score modifier, else why cuDNN does not run it."""
+    if has_score_mod:
+        return ("score_mod and alibi_slopes run on the XLA reference path: their cuDNN "
+                "score-modifier graphs are not built yet")
+    return None
+
+
 def soft_cap_reason(logits_soft_cap) -> str | None:
     """None if cuDNN's forward can soft-cap the scores (or there is no cap), else why not."""
     if logits_soft_cap is None or device.device_reason() is not None:

@@ -83,18 +83,70 @@ def dropout_keep_mask(rng, rate, shape):
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
 
 
+def modified_scores(score_mod, scores):
+    """score_mod(score, batch, head, q_index, kv_index) over scaled scores [B, N, T, S]: the
+    indices int32, broadcastable to the scores (query head, row positions), the result
+    broadcast back to the scores' shape and dtype."""
+    def index(axis):
+        size = scores.shape[axis]
+        return jnp.arange(size, dtype=jnp.int32).reshape(
+            [size if a == axis else 1 for a in range(4)])
+    modified = jnp.asarray(score_mod(scores, index(0), index(1), index(2), index(3)))
+    try:
+        fits = jnp.broadcast_shapes(modified.shape, scores.shape) == scores.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"score_mod must return the score's shape {scores.shape} (an "
+                         f"elementwise function), got {modified.shape}")
+    return jnp.broadcast_to(modified, scores.shape).astype(scores.dtype)
+
+
+def alibi_slopes(num_heads: int):
+    """The standard ALiBi slopes, float32 [num_heads]: 2^(-8 i / n) for i = 1..n when n is a
+    power of two; otherwise those of the largest power of two m below n, then every other one
+    of 2m's (Press et al.; as BLOOM and flash-attn's tests take them)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def powers_of_two(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+    closest = 1 << (num_heads.bit_length() - 1)
+    slopes = powers_of_two(closest)
+    if closest < num_heads:
+        slopes += powers_of_two(2 * closest)[0::2][:num_heads - closest]
+    return jnp.asarray(np.array(slopes, np.float32))
+
+
+def alibi(slopes, q_seq_len, kv_seq_len):
+    """ALiBi as a score modifier: score - slope * |i + S - T - j| (flash-attn's convention: query
+    i sits at key i + S - T), the slopes float [N] per query head or [B, N]."""
+    slopes = jnp.asarray(slopes)
+
+    def score_mod(score, batch, head, q_index, kv_index):
+        slope = slopes[batch, head] if slopes.ndim == 2 else slopes[head]
+        distance = jnp.abs(q_index + (kv_seq_len - q_seq_len) - kv_index)
+        return score - slope.astype(score.dtype) * distance.astype(score.dtype)
+    return score_mod
+
+
 def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, diagonal_offset=0, dropout_rate=0.0,
                         dropout_rng=None, dropout_keep=None, query_segment_ids=None,
-                        kv_segment_ids=None, logits_soft_cap=None, sinks=None):
+                        kv_segment_ids=None, logits_soft_cap=None, sinks=None,
+                        score_mod=None):
     """Attention on [B, T, N, H] queries and [B, S, K, Hv] keys/values (N a multiple of K).
 
     Scores and softmax are float32 for float16/bfloat16/float32 inputs. Dropout
     (dropout_rate > 0) keeps each weight with probability 1 - rate and scales kept weights by
     1 / (1 - rate); the keep mask is drawn from dropout_rng, or given as dropout_keep ([B, N,
     T, S], e.g. cuDNN's own mask in a test). logits_soft_cap: scaled scores become cap *
-    tanh(scores / cap), before the bias and masks. sinks: float [N], one logit per query head
+    tanh(scores / cap), before the bias and masks. score_mod(score, batch, head, q_index,
+    kv_index): an elementwise function of the scaled (and soft-capped) float32 scores and their
+    int32 indices (query head, row positions), applied before the bias and masks (modified_scores).
+    sinks: float [N], one logit per query head
     that joins each row's softmax denominator (a row that sees no key then gives zeros).
     Returns (output [B, T, N, Hv] in the query's dtype, lse [B, N, T] float32, float64 for
     float64 inputs): lse is the log-sum-exp of each row of masked scores (and the sink),
@@ -113,6 +165,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
     if logits_soft_cap is not None:
         cap = jnp.asarray(logits_soft_cap, compute)
         logits = cap * jnp.tanh(logits / cap)
+    if score_mod is not None:
+        logits = modified_scores(score_mod, logits)
     if bias is not None:
         logits = logits + bias.astype(compute)
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
@@ -163,4 +217,5 @@ def described_attention(call):
         query_seq_lengths=call.query_seq_lengths,
         key_value_seq_lengths=call.key_value_seq_lengths, dropout_rng=call.dropout_rng,
         query_segment_ids=call.query_segment_ids, kv_segment_ids=call.kv_segment_ids,
-        sinks=call.sinks, **spec_options(call.spec, call.query.shape[1], call.key.shape[1]))
+        sinks=call.sinks, score_mod=call.score_mod,
+        **spec_options(call.spec, call.query.shape[1], call.key.shape[1]))
