@@ -80,6 +80,7 @@ def _target_text(target, options) -> list[str]:
               for name, kind, default in attributes]
     lines += ["};", "", "template <>", f"struct TargetTraits<{struct}> {{",
               f'  static constexpr const char* kName = "{target.name}";',
+              f'  static constexpr const char* kHandler = "{target.handler}";',
               f'  static constexpr const char* kCommandBufferName = '
               f'"{target.command_buffer_name}";',
               f"  static constexpr Direction kDirection = Direction::k"

@@ -46,20 +46,24 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           precision=None, module=None, force_fp32_for_softmax=False,
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
                           attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
-                          logits_soft_cap=None, sinks=None):
+                          logits_soft_cap=None, sinks=None, score_mod=None, alibi_slopes=None):
     """Flax's attention_fn contract: q ``[batch..., T, N, H]``, k/v ``[batch..., S, K, H]``,
     mask (True = attend) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
     float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action.
 
-    Flax's modules never pass ``logits_soft_cap`` or ``sinks`` (jax_sdpa.dot_product_attention's
-    meaning); bind them: ``functools.partial(jax_sdpa.flax.dot_product_attention,
-    logits_soft_cap=30.0)``. Learned sinks belong to a module of your own (README)."""
+    Flax's modules never pass ``logits_soft_cap``, ``sinks``, ``score_mod`` or ``alibi_slopes``
+    (jax_sdpa.dot_product_attention's meaning); bind them: ``functools.partial(
+    jax_sdpa.flax.dot_product_attention, alibi_slopes=jax_sdpa.alibi_slopes(12))``. Learned
+    sinks belong to a module of your own (README)."""
     del precision, force_fp32_for_softmax, promote_dtype
     reason = _flax_fallback_reason(module, qk_attn_weights_einsum, attn_weights_value_einsum,
                                    einsum_dot_general)
-    if reason is not None and (logits_soft_cap is not None or sinks is not None):
-        raise NotImplementedError(f"jax_sdpa.flax: logits_soft_cap and sinks need jax_sdpa's "
-                                  f"attention, but {reason}")
+    ours = dict(logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+                alibi_slopes=alibi_slopes)
+    if reason is not None and any(value is not None for value in ours.values()):
+        given = ", ".join(name for name, value in ours.items() if value is not None)
+        raise NotImplementedError(f"jax_sdpa.flax: {given} need jax_sdpa's attention, but "
+                                  f"{reason}")
     if reason is not None:
         if planning.fallback_costs_speed(query.dtype):
             warn(f"jax_sdpa.flax: using Flax's attention because {reason}")
@@ -81,5 +85,4 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         query, key, value, bias=_fold_leading(bias, batch_shape),
         mask=_fold_leading(mask, batch_shape), is_causal=is_causal,
         dropout_rate=float(dropout_rate) if dropping else 0.0,
-        dropout_rng=dropout_rng if dropping else None, logits_soft_cap=logits_soft_cap,
-        sinks=sinks)
+        dropout_rng=dropout_rng if dropping else None, **ours)

@@ -143,11 +143,15 @@ def twins(role, job=None):
 
 
 def calls_to(text, role, job=None):
-    """The lines of lowered `text` that call our targets of this role (and job), either twin
-    (or its poisoned twin, tests/poisoning.py)."""
-    names = twins(role, job)
+    """The lines of `text` (lowered StableHLO or compiled HLO) that call our targets of this
+    role (and job), either twin, or their poisoned twins (tests/poisoning.py)."""
+    names = set()
+    for name in twins(role, job):
+        plain = name.removesuffix("_cmdbuf")
+        names |= {name, f"{plain}_poisoned" + name[len(plain):]}
     return [line for line in text.splitlines()
-            if any(f"@{name}(" in line or f"@{name}_poisoned(" in line for name in names)]
+            if any(f"@{name}(" in line or f'custom_call_target="{name}"' in line
+                   for name in names)]
 
 
 def lowers_to(text, role, job=None) -> bool:

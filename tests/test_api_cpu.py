@@ -194,5 +194,6 @@ def test_tests_needing_the_devtools_build_skip_naming_it(monkeypatch):
 
     from poisoning import devtools_extension  # noqa: PLC0415
     monkeypatch.setitem(sys.modules, "jax_sdpa._sdpa_devtools", None)  # import fails
+    monkeypatch.delattr(jax_sdpa, "_sdpa_devtools", raising=False)  # (once imported here)
     with pytest.raises(pytest.skip.Exception, match="devtools build"):
         devtools_extension()

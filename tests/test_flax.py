@@ -114,6 +114,27 @@ def test_soft_cap_and_sinks_bound_with_partial():
         bound(q, k, v, module=object())
 
 
+def test_alibi_bound_with_partial():
+    """ALiBi and a score_mod reach jax_sdpa's attention from a Flax module through partial."""
+    import functools  # noqa: PLC0415
+
+    x = inputs(8)
+    slopes = jax_sdpa.alibi_slopes(HEADS)
+    bound = functools.partial(jax_sdpa.flax.dot_product_attention, alibi_slopes=slopes,
+                              score_mod=lambda s, b, h, i, j: 0.5 * s)
+    module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                    rngs=nnx.Rngs(4), attention_fn=bound)
+    out = module(x, is_causal=True)
+    q, k, v = (jnp.einsum("btf,fnh->btnh", x, layer.kernel[...]) + layer.bias[...]
+               for layer in (module.query, module.key, module.value))
+    direct = jax_sdpa.dot_product_attention(q, k, v, is_causal=True, alibi_slopes=slopes,
+                                            score_mod=lambda s, b, h, i, j: 0.5 * s)
+    expected = jnp.einsum("btnh,nhf->btf", direct, module.out.kernel[...]) + module.out.bias[...]
+    assert relative_error(out, expected) < 1e-5
+    with pytest.raises(NotImplementedError, match="score_mod, alibi_slopes need"):
+        bound(q, k, v, module=object())
+
+
 @pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "gpu_patched_in"])
 def test_sow_weights_falls_back_to_flax(gpu, monkeypatch):
     """Sowing the weights runs Flax's attention: silently without a GPU (nothing is lost), with

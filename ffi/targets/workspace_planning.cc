@@ -53,7 +53,8 @@ ffi::ErrorOr<CallPlan> PlanTarget(const std::string& target, int32_t device,
                                   const std::vector<Operand>& described,
                                   const std::map<std::string, double>& values) {
 #define JAX_SDPA_PLAN_IF_NAMED(Handler)                                        \
-  if (target == TargetTraits<Handler##Attributes>::kName) {                    \
+  if (target == TargetTraits<Handler##Attributes>::kName ||                    \
+      target == TargetTraits<Handler##Attributes>::kHandler) {                 \
     return PlanDescribed<Handler##Attributes>(device, described, values);      \
   }
   JAX_SDPA_TARGETS(JAX_SDPA_PLAN_IF_NAMED)

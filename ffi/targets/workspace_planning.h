@@ -18,10 +18,10 @@ struct OperandShape {
   std::vector<int64_t> dims;
 };
 
-// The cuDNN workspace in bytes a call of `target` (its name) with these operands (in the
-// target's order) and attribute values (by name) needs on `device`, whose graph this builds, or
-// finds in the process's cache; the call then finds it there. An error carries the planner's
-// or cuDNN's message.
+// The cuDNN workspace in bytes a call of `target` (its name or its handler's) with these
+// operands (in the target's order) and attribute values (by name) needs on `device`, whose
+// graph this builds, or finds in the process's cache; the call then finds it there. An error
+// carries the planner's or cuDNN's message.
 xla::ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(const std::string& target, int32_t device,
                                                  const std::vector<OperandShape>& operands,
                                                  const std::map<std::string, double>& values);
