@@ -17,6 +17,7 @@ import pathlib
 import sys
 
 _CPP_TYPES = {"float": "float", "int": "int64_t", "bool": "bool"}
+_SPEC = None  # jax_sdpa/call/spec.py, loaded by main
 
 
 def _load(path: pathlib.Path, name: str):
@@ -51,9 +52,11 @@ def graph_options(spec_module):
 
 
 def target_attributes(target, options):
-    """[(name, kind, default)]: the graph options the target takes, then its own."""
-    taken = [(name, kind, default) for name, kind, default, targets in options
-             if target.handler in targets]
+    """[(name, kind, default)]: the graph options the target takes (as CallSpec's own
+    graph_options reads them, which Python's FFI calls use too), then its own."""
+    defaults = {name: default for name, _, default, _ in options}
+    taken = [(name, kind, defaults[name])
+             for name, kind in _SPEC.graph_options(target.handler).items()]
     own = [(name, kind, False if kind == "bool" else 0) for name, kind in target.attributes]
     return taken + own
 
@@ -74,7 +77,7 @@ def _graph_options_text(options) -> str:
 def _target_text(target, options) -> list[str]:
     attributes = target_attributes(target, options)
     struct = f"{target.handler}Attributes"
-    option_names = {name for name, _, _, targets in options if target.handler in targets}
+    option_names = set(_SPEC.graph_options(target.handler))
     lines = [f"// {target.name}", f"struct {struct} {{"]
     lines += [f"  {_CPP_TYPES[kind]} {name} = {_literal(kind, default)};"
               for name, kind, default in attributes]
@@ -191,7 +194,8 @@ def _definitions_text(targets, options) -> str:
 
 def main(source: str, output: str) -> None:
     root = pathlib.Path(source)
-    spec_module = _load(root / "jax_sdpa" / "call" / "spec.py", "_jax_sdpa_spec")
+    global _SPEC
+    spec_module = _SPEC = _load(root / "jax_sdpa" / "call" / "spec.py", "_jax_sdpa_spec")
     targets_module = _load(root / "jax_sdpa" / "cudnn" / "targets.py", "_jax_sdpa_targets")
     options = graph_options(spec_module)
     names = {target.handler for target in targets_module.TARGETS}
