@@ -1,0 +1,96 @@
+"""score_mod programs (jax_sdpa/score_mod/program.py) against the function they were written
+from: each program, run in NumPy with cuDNN's meaning of its modes (score_mod_interpreter.py),
+gives the function's scores and, from its derivative program, JAX's gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa.reference.attention import alibi, modified_scores
+from jax_sdpa.score_mod.program import UnsupportedScoreMod, translate
+
+import score_mod_interpreter
+
+B, N, T, S = 2, 3, 7, 9
+HEAD_TABLE = jnp.asarray([0.5, -1.25, 2.0], jnp.float32)
+BUCKETS = jnp.asarray([[0.1, 0.2, 0.3], [-0.4, 0.0, 0.6], [1.0, -1.0, 0.25]], jnp.float32)
+
+
+def bucketed(s, b, h, q, k):
+    distance = jnp.abs(q - k)
+    return s + jnp.where(distance < 2, BUCKETS[h, 0],
+                         jnp.where(distance < 5, BUCKETS[h, 1], BUCKETS[h, 2]))
+
+
+FUNCTIONS = {
+    "identity": lambda s, b, h, q, k: s,
+    "alibi": alibi(jax_sdpa.alibi_slopes(N), T, S),
+    "alibi per batch": alibi(jnp.arange(1, B * N + 1, dtype=jnp.float32).reshape(B, N) / 8,
+                             T, S),
+    "soft-cap": lambda s, b, h, q, k: 2.5 * jnp.tanh(s / 2.5),
+    "causal by where": lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
+    "masked first (constant true case)": lambda s, b, h, q, k: jnp.where(q < k, -1e9, s),
+    "relative buckets": bucketed,
+    "per-head table": lambda s, b, h, q, k: s * HEAD_TABLE[h] + b,
+    "integer arithmetic": lambda s, b, h, q, k: s + (q - k) // 3 + (q * 7 - k) % 4,
+    "float to int": lambda s, b, h, q, k: s + (s * 1.7).astype(jnp.int32),
+    "clip relu sigmoid": lambda s, b, h, q, k: (jnp.clip(s, -1, 1) + jax.nn.relu(s) +
+                                                jax.nn.sigmoid(s)),
+    "exp log pow": lambda s, b, h, q, k: (jnp.log1p(jnp.exp(s)) + jnp.abs(s) ** 1.5 +
+                                          s ** 3 - jnp.expm1(s / 4) + jnp.exp2(s / 8)),
+    "logic": lambda s, b, h, q, k: jnp.where(((q > 2) & (k < 6)) | ~(q == k), s, s / 2),
+    "head-dependent mask": lambda s, b, h, q, k: jnp.where(k <= q + h, s, -jnp.inf),
+    "constant": lambda s, b, h, q, k: jnp.float32(0.5) + 0 * q,
+    "sqrt rsqrt": lambda s, b, h, q, k: jnp.sqrt(s * s + 1) + jax.lax.rsqrt(s * s + 2),
+    "sign": lambda s, b, h, q, k: jnp.sign(s) * s + jnp.sign(q - k),
+}
+
+
+def _scores():
+    return 3 * np.asarray(jax.random.normal(jax.random.key(1), (B, N, T, S)), np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_program_gives_the_function_and_its_gradient(name):
+    fn = FUNCTIONS[name]
+    program = translate(fn)
+    scores = _scores()
+    tables = np.asarray(program.tables(B, N))
+    assert tables.shape == (B, program.table_count, N)
+    expected = np.asarray(modified_scores(fn, jnp.asarray(scores)))
+    got = score_mod_interpreter.run(program.forward, scores, tables)
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)
+    gradient = np.asarray(jax.random.normal(jax.random.key(2), scores.shape), np.float32)
+    _, pullback = jax.vjp(lambda x: modified_scores(fn, x), jnp.asarray(scores))
+    expected_gradient = np.asarray(pullback(jnp.asarray(gradient))[0])
+    got_gradient = score_mod_interpreter.run(program.backward, scores, tables, gradient)
+    np.testing.assert_allclose(got_gradient, expected_gradient, rtol=2e-5, atol=2e-5)
+
+
+def test_programs_read_only_live_instructions_and_tables():
+    program = translate(FUNCTIONS["alibi"])
+    assert program.backward == "=g"  # ALiBi adds to the score: its derivative passes through
+    assert program.table_count == 1
+
+
+def test_tables_follow_closed_over_arrays_under_jit_and_grad():
+    def loss(slopes):
+        program = translate(alibi(slopes, T, S))
+        return program.tables(B, N).sum()
+    slopes = jnp.asarray([1.0, 2.0, 3.0])
+    assert float(jax.jit(loss)(slopes)) == pytest.approx(B * 6.0)
+    np.testing.assert_allclose(jax.grad(loss)(slopes), B * np.ones(N))
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda s, b, h, q, k: s + (q & 3), "bitwise `and`"),
+    (lambda s, b, h, q, k: s + HEAD_TABLE[q % N], "index closed-over arrays by batch or head"),
+    (lambda s, b, h, q, k: s.astype(jnp.bfloat16), "bfloat16"),
+    (lambda s, b, h, q, k: s + jnp.zeros(4), "not elementwise"),
+    (lambda s, b, h, q, k: s + jnp.arctan2(s, 2.0), "`atan2`"),
+])
+def test_what_cudnn_cannot_express_is_named(fn, words):
+    with pytest.raises(UnsupportedScoreMod, match=words.replace("`", ".")):
+        translate(fn)
