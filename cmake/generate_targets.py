@@ -16,7 +16,10 @@ import importlib.util
 import pathlib
 import sys
 
-_CPP_TYPES = {"float": "float", "int": "int64_t", "bool": "bool"}
+# SdpaConfig's field types; an attribute struct holds a string as the std::string_view XLA
+# decodes (valid during the call), which the config copies.
+_CPP_TYPES = {"float": "float", "int": "int64_t", "bool": "bool", "str": "std::string"}
+_ATTRIBUTE_TYPES = {**_CPP_TYPES, "str": "std::string_view"}
 _SPEC = None  # jax_sdpa/call/spec.py, loaded by main
 
 
@@ -33,6 +36,10 @@ def _literal(kind: str, value) -> str:
         return f"{float(value)!r}f"
     if kind == "bool":
         return "true" if value else "false"
+    if kind == "str":
+        if value:
+            raise SystemExit(f"a string graph option's default is empty, got {value!r}")
+        return '""'
     return str(int(value))
 
 
@@ -45,7 +52,8 @@ def graph_options(spec_module):
             continue
         kind = str(field.type)
         if kind not in _CPP_TYPES:
-            raise SystemExit(f"graph option {field.name}: type {kind} is not float, int or bool")
+            raise SystemExit(f"graph option {field.name}: type {kind} is not float, int, bool "
+                             f"or str")
         default = field.default if field.default is not dataclasses.MISSING else 0
         options.append((field.name, kind, default, tuple(targets)))
     return options
@@ -79,7 +87,7 @@ def _target_text(target, options) -> list[str]:
     struct = f"{target.handler}Attributes"
     option_names = set(_SPEC.graph_options(target.handler))
     lines = [f"// {target.name}", f"struct {struct} {{"]
-    lines += [f"  {_CPP_TYPES[kind]} {name} = {_literal(kind, default)};"
+    lines += [f"  {_ATTRIBUTE_TYPES[kind]} {name} = {_literal(kind, default)};"
               for name, kind, default in attributes]
     lines += ["};", "", "template <>", f"struct TargetTraits<{struct}> {{",
               f'  static constexpr const char* kName = "{target.name}";',
@@ -94,10 +102,14 @@ def _target_text(target, options) -> list[str]:
               "  static std::vector<std::string> AttributeNames() {",
               "    return {" + ", ".join(f'"{name}"' for name, _, _ in attributes) + "};",
               "  }",
-              f"  static ffi::ErrorOr<{struct}> FromValues("
-              "const std::map<std::string, double>& values) {",
+              "  // From described values (strings viewed in `values`, which must outlive it).",
+              f"  static ffi::ErrorOr<{struct}> FromValues(const AttributeValues& values) {{",
               f"    {struct} a;"]
     for name, kind, _ in attributes:
+        if kind == "str":
+            lines += [f"    JAX_SDPA_ASSIGN_OR_RETURN(a.{name}, "
+                      f'StringAttributeValue(values, kName, "{name}"));']
+            continue
         lines += [f"    JAX_SDPA_ASSIGN_OR_RETURN(double {name}, "
                   f'AttributeValue(values, kName, "{name}"));',
                   f"    a.{name} = static_cast<{_CPP_TYPES[kind]}>({name});"]
@@ -184,7 +196,7 @@ def _definitions_text(targets, options) -> str:
         lines += _target_text(target, options)
     lines += ["}  // namespace jax_sdpa", ""]
     for target in targets:
-        members = ", ".join(f'::xla::ffi::StructMember<{_CPP_TYPES[kind]}>("{name}")'
+        members = ", ".join(f'::xla::ffi::StructMember<{_ATTRIBUTE_TYPES[kind]}>("{name}")'
                             for name, kind, _ in target_attributes(target, options))
         lines.append(f"XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::{target.handler}"
                      f"Attributes, {members});")

@@ -8,12 +8,14 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "call/call_state.h"
@@ -82,16 +84,24 @@ NB_MODULE(_sdpa_ffi, m) {
       "workspace_bytes",
       [](const std::string& target, int32_t device,
          const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
-         const std::map<std::string, double>& attributes) {
+         const std::map<std::string, std::variant<double, std::string>>& attributes) {
         std::vector<jax_sdpa::OperandShape> operands;
         for (const auto& [dtype, dims] : shapes) operands.push_back({dtype, dims});
-        auto bytes = jax_sdpa::PlannedWorkspaceBytes(target, device, operands, attributes);
+        jax_sdpa::AttributeValues values;
+        for (const auto& [name, value] : attributes) {
+          if (const double* number = std::get_if<double>(&value)) {
+            values.numbers[name] = *number;
+          } else {
+            values.strings[name] = std::get<std::string>(value);
+          }
+        }
+        auto bytes = jax_sdpa::PlannedWorkspaceBytes(target, device, operands, values);
         if (!bytes.has_value()) throw std::runtime_error(bytes.error().message());
         return *bytes;
       },
       nb::arg("target"), nb::arg("device"), nb::arg("operands"), nb::arg("attributes"),
       "The cuDNN workspace (bytes) of a call of `target`: operands as (dtype name, dims) in the "
-      "target's order, attributes by name. Builds the call's graph on `device` (or finds it "
+      "target's order, attributes by name (numbers as floats, and strings). Builds the call's graph on `device` (or finds it "
       "cached).");
   m.def("graph_cache_stats", []() {
     jax_sdpa::GraphCacheStats s = jax_sdpa::GraphCache::Global().stats();

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_sdpa
-from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.call.spec import CallSpec, graph_options
 from jax_sdpa.cudnn import call as cudnn_call
 from jax_sdpa.cudnn import extension
 from jax_sdpa.cudnn.targets import BY_NAME, TARGETS
@@ -305,10 +305,15 @@ def test_paged_attention_lowers_to_our_forward(transform, monkeypatch):
 
 
 def planner_attributes(target, **changes):
-    """A plain call's attributes as workspace_bytes takes them for a target (numbers by name)."""
-    attributes = {name: 0.0 for name in cudnn_call.attribute_names(BY_NAME[target])}
+    """A plain call's attributes as workspace_bytes takes them for a target (numbers, and
+    strings, by name)."""
+    declared = BY_NAME[target]
+    kinds = {**graph_options(declared.handler), **dict(declared.attributes)}
+    attributes = {name: "" if kinds[name] == "str" else 0.0
+                  for name in cudnn_call.attribute_names(declared)}
     attributes.update(scale=0.125, window_left=-1.0, window_right=-1.0, **changes)
-    return {name: float(value) for name, value in attributes.items()}
+    return {name: value if isinstance(value, str) else float(value)
+            for name, value in attributes.items()}
 
 
 def test_workspace_planner_refuses_what_the_handlers_refuse():

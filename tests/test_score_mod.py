@@ -141,11 +141,38 @@ def test_bad_arguments_are_named():
                                        score_mod=lambda s, *_: s)
 
 
-def test_cudnn_is_refused_naming_why(monkeypatch):
-    """No cuDNN score-modifier graph is built yet: implementation='cudnn' says so, and the
-    default takes the reference path (warning on a GPU)."""
-    monkeypatch.setattr(device, "device_reason", lambda: None)
-    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="score-modifier graphs are not built yet"):
-        jax_sdpa.dot_product_attention(q, q, q, alibi_slopes=jax_sdpa.alibi_slopes(2),
-                                       implementation="cudnn")
+def _lowered_grad(monkeypatch, loss, *args):
+    """StableHLO for CUDA of jit(grad(loss)) on this host, as if a GPU were there."""
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    return jax.jit(jax.grad(loss)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cudnn_calls_take_the_programs_and_their_tables(monkeypatch):
+    """On cuDNN a score modifier is our dense targets' string attributes (its programs) and a
+    float32 [B, tables, N] operand, every attribute one the handlers decode."""
+    from test_lowering import assert_decoded
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    slopes = jax_sdpa.alibi_slopes(4)
+    text = _lowered_grad(monkeypatch, lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, is_causal=True, alibi_slopes=slopes,
+        implementation="cudnn").astype(jnp.float32).sum(), q)
+    assert_decoded(text, "forward", "dense")
+    assert_decoded(text, "backward", "dense")
+    assert "score_mod_tables = 1" in text and "tensor<2x1x4xf32>" in text
+    assert 'score_mod_bprop = "=g"' in text  # ALiBi's derivative passes the gradient through
+
+
+def test_cudnn_refuses_to_differentiate_closed_over_arrays(monkeypatch):
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="stop_gradient"):
+        _lowered_grad(monkeypatch, lambda s: jax_sdpa.dot_product_attention(
+            q, q, q, alibi_slopes=s, implementation="cudnn").astype(jnp.float32).sum(),
+            jax_sdpa.alibi_slopes(4))
+
+
+def test_what_cudnn_cannot_express_falls_back_by_name(monkeypatch):
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="bitwise `and`"):
+        jax_sdpa.dot_product_attention(q, q, q, implementation="cudnn",
+                                       score_mod=lambda s, b, h, qi, ki: s + (qi & 1))

@@ -96,6 +96,25 @@ ffi::Error CheckSegmentIds(const CallOperands& operands, const SdpaConfig& c, in
   return ffi::Error::Success();
 }
 
+ffi::Error CheckScoreModTables(const CallOperands& operands, const SdpaConfig& c, int64_t rows) {
+  if (c.score_mod_tables == 0) return ffi::Error::Success();
+  if (c.score_mod_tables < 0 || c.score_mod_tables > kMaxScoreModTables) {
+    return InvalidArgument("a score modifier reads at most " +
+                           std::to_string(kMaxScoreModTables) + " tables, got " +
+                           std::to_string(c.score_mod_tables));
+  }
+  const std::optional<Operand>& tables = operands.score_mod_tables;
+  if (!tables || tables->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(tables->element_count()) != rows * c.score_mod_tables * c.q_heads) {
+    return InvalidArgument("score_mod tables must be float32 [batch, " +
+                           std::to_string(c.score_mod_tables) + ", heads] (" +
+                           std::to_string(rows) + " rows of " + std::to_string(c.q_heads) +
+                           " heads)" + (tables ? ", got " + DimsToString(tables->dimensions())
+                                               : std::string(", got none")));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckDropoutSeed(const CallOperands& operands, int64_t vmapped) {
   const Operand& seed = *operands.dropout_seed;
   if (seed.element_type() != ffi::DataType::U32 ||

@@ -77,6 +77,9 @@ ffi::ErrorOr<ElementType> ReadElementType(const Operand& buffer, const char* nam
 ffi::Error CheckLengths(const CallOperands& operands, int64_t count, const char* entries);
 // Segment ids are int32 [batch, seq] per vmapped slice, of the queries and of the keys.
 ffi::Error CheckSegmentIds(const CallOperands& operands, const SdpaConfig& c, int64_t elements);
+// A score modifier's tables are float32 [batch, score_mod_tables, q_heads] (at most
+// kMaxScoreModTables of them), present exactly when the config reads some.
+ffi::Error CheckScoreModTables(const CallOperands& operands, const SdpaConfig& c, int64_t rows);
 // The dropout seed is uint32 [4] per vmapped slice (Philox seed, then offset, as two int64).
 ffi::Error CheckDropoutSeed(const CallOperands& operands, int64_t vmapped);
 

@@ -146,6 +146,7 @@ AttentionInputs InputsSlice(const CallPlan& plan, int64_t r) {
   }
   if (in.page_table) slice.page_table = in.page_table->untyped_data();
   slice.dropout_seed = OptionalSlice(in.dropout_seed, r, repeats);
+  slice.score_mod_tables = OptionalSlice(in.score_mod_tables, r, repeats);
   return slice;
 }
 

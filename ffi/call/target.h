@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/check.h"
@@ -35,16 +36,39 @@ struct CallResults {
 template <typename Attributes>
 struct TargetTraits;
 
-// An attribute's value by name, as Python describes a call it plans (every value is exact in a
-// double: bools, small integers, float32 values).
-inline ffi::ErrorOr<double> AttributeValue(const std::map<std::string, double>& values,
-                                           const char* target, const char* name) {
+// A call's attribute values by name, as Python describes a call it plans: numbers (each exact
+// in a double: bools, small integers, float32 values) and strings.
+struct AttributeValues {
+  std::map<std::string, double> numbers;
+  std::map<std::string, std::string> strings;
+};
+
+template <typename Value>
+ffi::ErrorOr<Value> FindAttribute(const std::map<std::string, Value>& values, const char* target,
+                                  const char* name) {
   auto found = values.find(name);
   if (found == values.end()) {
     return Failure{InvalidArgument(std::string(target) + ": the attribute " + name +
                                    " is missing")};
   }
   return found->second;
+}
+
+inline ffi::ErrorOr<double> AttributeValue(const AttributeValues& values, const char* target,
+                                           const char* name) {
+  return FindAttribute(values.numbers, target, name);
+}
+
+// A view of the string in `values`.
+inline ffi::ErrorOr<std::string_view> StringAttributeValue(const AttributeValues& values,
+                                                           const char* target,
+                                                           const char* name) {
+  auto found = values.strings.find(name);
+  if (found == values.strings.end()) {
+    return Failure{InvalidArgument(std::string(target) + ": the string attribute " + name +
+                                   " is missing")};
+  }
+  return std::string_view(found->second);
 }
 
 }  // namespace jax_sdpa

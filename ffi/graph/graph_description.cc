@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "graph/fp8_scales.h"
+#include "graph/score_mod.h"
 
 namespace jax_sdpa {
 namespace {
@@ -160,6 +161,44 @@ SoftCap AddSoftCap(fe::graph::Graph& graph, const SdpaConfig& c) {
   return {std::make_shared<score_modifiers::Softcap>(), graph.tensor(c.logits_soft_cap)};
 }
 
+// The score modifiers of a graph, applied in this order: soft-capping, then the user's
+// score_mod (score_mod.h: its programs read its tables; its derivative reads the score its
+// forward program read, which the backward graph's forward modifier saves here).
+struct Modifiers {
+  SoftCap soft_cap;
+  std::vector<TensorPtr> tables;
+  std::shared_ptr<TensorPtr> user_score;
+
+  bool any(const SdpaConfig& c) const { return soft_cap.modifier || !c.score_mod.empty(); }
+};
+
+Modifiers AddModifiers(fe::graph::Graph& graph, const SdpaConfig& c) {
+  return {AddSoftCap(graph, c),
+          AddScoreModTables(graph, c.batch, c.q_heads, c.score_mod_tables, kScoreModTables),
+          std::make_shared<TensorPtr>()};
+}
+
+TensorPtr ModifyScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr scores,
+                       const SdpaConfig& c, const Modifiers& m) {
+  if (m.soft_cap.modifier) scores = m.soft_cap.modifier->forward(graph, scores, m.soft_cap.cap);
+  if (c.score_mod.empty()) return scores;
+  *m.user_score = scores;
+  return ApplyScoreMod(graph, c.score_mod, ScoreModInputs{scores, nullptr, m.tables});
+}
+
+// The derivative of ModifyScores: the gradient of the modified scores to that of the scores.
+TensorPtr ModifyGradient(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr d_scores,
+                         const SdpaConfig& c, const Modifiers& m) {
+  if (!c.score_mod.empty()) {
+    d_scores = ApplyScoreMod(graph, c.score_mod_bprop,
+                             ScoreModInputs{*m.user_score, d_scores, m.tables});
+  }
+  if (m.soft_cap.modifier) {
+    d_scores = m.soft_cap.modifier->backward(graph, d_scores, m.soft_cap.cap);
+  }
+  return d_scores;
+}
+
 // The band and the padding as graph nodes on the scores: what cuDNN's built-in masks do, which
 // a score modifier turns off.
 TensorPtr MaskScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr scores,
@@ -236,7 +275,7 @@ TensorPtr MaskOtherSegments(const std::shared_ptr<fe::graph::Graph>& graph, Tens
 // The masking, soft-cap, bias and dropout options common to SDPA_attributes and
 // SDPA_backward_attributes.
 template <typename Options>
-void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& soft_cap,
+void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const Modifiers& modifiers,
                 Options& options) {
   TensorPtr q_lengths, kv_lengths;
   if (c.padding) {
@@ -244,11 +283,11 @@ void SetMasking(fe::graph::Graph& graph, const SdpaConfig& c, const SoftCap& sof
     kv_lengths = AddInt32Vector(graph, "kv_lengths", kKvLengths, c.batch);
     options.set_seq_len_q(q_lengths).set_seq_len_kv(kv_lengths);
   }
-  if (soft_cap.modifier || c.segment_mask) {
+  if (modifiers.any(c) || c.segment_mask) {
     SegmentIds ids = AddSegmentIds(graph, c);
-    options.set_score_mod([soft_cap, c, q_lengths, kv_lengths, ids](
+    options.set_score_mod([modifiers, c, q_lengths, kv_lengths, ids](
                               std::shared_ptr<fe::graph::Graph> sub, TensorPtr scores) {
-      if (soft_cap.modifier) scores = soft_cap.modifier->forward(sub, scores, soft_cap.cap);
+      scores = ModifyScores(sub, scores, c, modifiers);
       scores = MaskScores(sub, scores, c, q_lengths, kv_lengths);
       return c.segment_mask ? MaskOtherSegments(sub, scores, ids) : scores;
     });
@@ -310,7 +349,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaConfig& c,
   if (implementation != ForwardImplementation::kAuto) {
     options.set_implementation(FrontendImplementation(implementation));
   }
-  SetMasking(*graph, c, AddSoftCap(*graph, c), options);
+  SetMasking(*graph, c, AddModifiers(*graph, c), options);
   SetPageTables(*graph, c, options);
   auto [o, stats] = graph->sdpa(q, k, v, options);
   SetBshdOutput(o, kO, c, QuerySide(c, c.head_dim_v), offsets.o);
@@ -333,12 +372,12 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
                      .set_name("jax_sdpa_backward")
                      .set_attn_scale(c.scale)
                      .set_deterministic_algorithm(c.deterministic);
-  SoftCap soft_cap = AddSoftCap(*graph, c);
-  SetMasking(*graph, c, soft_cap, options);
-  if (soft_cap.modifier) {
+  Modifiers modifiers = AddModifiers(*graph, c);
+  SetMasking(*graph, c, modifiers, options);
+  if (modifiers.any(c)) {
     options.set_score_mod_bprop(
-        [soft_cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_scores) {
-          return soft_cap.modifier->backward(sub, d_scores, soft_cap.cap);
+        [modifiers, c](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_scores) {
+          return ModifyGradient(sub, d_scores, c, modifiers);
         });
   }
   if (c.ragged) {  // sizes the workspace by the tokens, not by documents x longest document

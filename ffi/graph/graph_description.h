@@ -42,6 +42,7 @@ enum TensorUid : int64_t {
   kQSegmentIds = 48,  // segment_mask: int32 [batch, q_seq] ids of the queries
   kKvSegmentIds,      // and [batch, kv_seq] of the keys
   kFp8Amaxes = 64,    // and its amaxes: kFp8Amaxes + Fp8ForwardAmax / Fp8BackwardAmax
+  kScoreModTables = 96,  // a score modifier's tables: kScoreModTables + i, i < kMaxScoreModTables
 };
 
 // The forward or backward graph (config.direction) of `config`.

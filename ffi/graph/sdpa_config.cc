@@ -3,6 +3,7 @@
 #include <cstring>
 #include <functional>
 #include <sstream>
+#include <string>
 #include <tuple>
 
 namespace jax_sdpa {
@@ -17,6 +18,22 @@ int32_t FloatBits(float value) {
 int64_t KeyValue(float value) { return FloatBits(value); }
 int64_t KeyValue(int64_t value) { return value; }
 int64_t KeyValue(bool value) { return value; }
+const std::string& KeyValue(const std::string& value) { return value; }
+
+// A field in a key: numbers as integers, strings with their length (no two keys alike).
+void WriteKeyField(std::ostringstream& out, const std::string& value) {
+  out << value.size() << ':' << value;
+}
+template <typename Number>
+void WriteKeyField(std::ostringstream& out, Number value) {
+  out << static_cast<int64_t>(value);
+}
+
+size_t HashField(const std::string& value) { return std::hash<std::string>{}(value); }
+template <typename Number>
+size_t HashField(Number value) {
+  return std::hash<int64_t>{}(static_cast<int64_t>(value));
+}
 
 // Every field, floats by their bits: two scales that print alike must not share a graph.
 auto Fields(const SdpaConfig& c) {
@@ -88,7 +105,7 @@ std::string SdpaConfig::Key() const {
   SdpaConfig any_device = *this;
   any_device.device = 0;
   std::ostringstream out;
-  std::apply([&out](auto... field) { ((out << static_cast<int64_t>(field) << ','), ...); },
+  std::apply([&out](const auto&... field) { ((WriteKeyField(out, field), out << ','), ...); },
              Fields(any_device));
   return out.str();
 }
@@ -96,10 +113,8 @@ std::string SdpaConfig::Key() const {
 size_t SdpaConfigHash::operator()(const SdpaConfig& c) const {
   size_t seed = 0;
   std::apply(
-      [&seed](auto... field) {
-        ((seed ^= std::hash<int64_t>{}(static_cast<int64_t>(field)) + 0x9e3779b97f4a7c15ULL +
-                  (seed << 6) + (seed >> 2)),
-         ...);
+      [&seed](const auto&... field) {
+        ((seed ^= HashField(field) + 0x9e3779b97f4a7c15ULL + (seed << 6) + (seed >> 2)), ...);
       },
       Fields(c));
   return seed;

@@ -25,6 +25,9 @@ inline bool IsFp8(ElementType type) {
 
 const char* ElementTypeName(ElementType type);
 
+// A score modifier's tables (jax_sdpa/score_mod/program.py): at most this many per call.
+constexpr int64_t kMaxScoreModTables = 32;
+
 enum class Direction : int32_t { kForward = 0, kBackward = 1 };
 
 // cuDNN frontend's SDPA forward implementations (SDPA_attributes::set_implementation): kAuto lets
@@ -57,7 +60,9 @@ struct SdpaConfig {
   // aligned bottom-right; -1: no bound; causal is window_right = 0; the graph builder alone makes
   // cuDNN's exclusive left bound); deterministic (backward only); dropout (the probability of
   // dropping a weight: Philox seed and offset operands, so the backward drops what the forward
-  // dropped).
+  // dropped); a score modifier (score_mod: its forward pointwise program, score_mod_bprop: its
+  // derivative's, score_mod_tables: how many [batch, q_heads] tables they read; applied after
+  // soft-capping, and like it turning cuDNN's built-in masks into nodes: score_mod.h).
   JAX_SDPA_GRAPH_OPTIONS(JAX_SDPA_FIELD, JAX_SDPA_NOTHING)
   bool padding = false;       // int32 [batch] lengths of queries and keys: cuDNN's padding mask
   bool ragged = false;        // packed documents (below)

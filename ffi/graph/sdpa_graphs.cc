@@ -50,6 +50,10 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
     pack[kDropoutSeed] = Mutable(in.dropout_seed);
     pack[kDropoutOffset] = static_cast<char*>(Mutable(in.dropout_seed)) + 8;
   }
+  for (int64_t i = 0; i < c.score_mod_tables; ++i) {  // [batch, tables, heads]: table i's column
+    pack[kScoreModTables + i] =
+        static_cast<float*>(Mutable(in.score_mod_tables)) + i * c.q_heads;
+  }
 }
 
 // An FP8 call's scale factors and amaxes, one row of kFp8ScaleRow floats each.

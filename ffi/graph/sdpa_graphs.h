@@ -1,5 +1,5 @@
 // cuDNN frontend SDPA graphs, built from an SdpaConfig and executed on device pointers.
-// Only this and graph_description.cc include the (slow to compile) frontend header.
+// Only this, graph_description.cc and score_mod.cc include the (slow to compile) frontend header.
 #pragma once
 
 #include <cudnn.h>
@@ -41,6 +41,7 @@ struct AttentionInputs {
   RaggedOffsets offsets;
   const void* page_table = nullptr;  // paged K/V: int32 [batch, pages per sequence]
   const void* dropout_seed = nullptr;
+  const void* score_mod_tables = nullptr;  // float32 [batch, score_mod_tables, q_heads]
 };
 
 // An FP8 call's float32 scales in (rows of fp8_scales.h's kFp8ScaleRow floats) and amaxes out

@@ -1,5 +1,6 @@
 // The dense targets: attention over [..., batch, seq, heads, dim] rows, with a bias, sequence
-// lengths, segment ids masked inside cuDNN's kernel, dropout, soft-capping and a diagonal band.
+// lengths, segment ids masked inside cuDNN's kernel, dropout, soft-capping, a score modifier
+// (with its tables) and a diagonal band.
 #include <utility>
 
 #include "targets/handler.h"
@@ -23,6 +24,7 @@ ffi::Error CompleteDense(const AttentionShape& shape, const Attributes& attribut
   if (c.padding) JAX_SDPA_RETURN_IF_ERROR(CheckLengths(in, rows, "batch"));
   if (c.segment_mask) JAX_SDPA_RETURN_IF_ERROR(CheckSegmentIds(in, c, rows));
   if (c.dropout > 0) JAX_SDPA_RETURN_IF_ERROR(CheckDropoutSeed(in, shape.vmapped));
+  JAX_SDPA_RETURN_IF_ERROR(CheckScoreModTables(in, c, rows));
   // The graph runs once per vmapped slice when a slice's operands cannot be folded into one
   // batch: a bias shared by the slice's batch (no single batch stride says that), or a dropout
   // seed per slice.

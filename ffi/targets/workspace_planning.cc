@@ -32,7 +32,7 @@ ffi::ErrorOr<ffi::DataType> DataTypeNamed(const std::string& name) {
 // (no data: planning reads only dtypes and dims).
 template <typename Attributes>
 ffi::ErrorOr<CallPlan> PlanDescribed(int32_t device, const std::vector<Operand>& described,
-                                     const std::map<std::string, double>& values) {
+                                     const AttributeValues& values) {
   using Traits = TargetTraits<Attributes>;
   JAX_SDPA_ASSIGN_OR_RETURN(Attributes attributes, Traits::FromValues(values));
   if (described.size() < Traits::kOperands) {
@@ -51,7 +51,7 @@ ffi::ErrorOr<CallPlan> PlanDescribed(int32_t device, const std::vector<Operand>&
 
 ffi::ErrorOr<CallPlan> PlanTarget(const std::string& target, int32_t device,
                                   const std::vector<Operand>& described,
-                                  const std::map<std::string, double>& values) {
+                                  const AttributeValues& values) {
 #define JAX_SDPA_PLAN_IF_NAMED(Handler)                                        \
   if (target == TargetTraits<Handler##Attributes>::kName ||                    \
       target == TargetTraits<Handler##Attributes>::kHandler) {                 \
@@ -66,7 +66,7 @@ ffi::ErrorOr<CallPlan> PlanTarget(const std::string& target, int32_t device,
 
 ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(const std::string& target, int32_t device,
                                             const std::vector<OperandShape>& operands,
-                                            const std::map<std::string, double>& values) {
+                                            const AttributeValues& values) {
   try {
     std::vector<Operand> described;
     for (const OperandShape& operand : operands) {

@@ -3,10 +3,10 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <vector>
 
+#include "call/target.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
@@ -24,6 +24,6 @@ struct OperandShape {
 // carries the planner's or cuDNN's message.
 xla::ffi::ErrorOr<int64_t> PlannedWorkspaceBytes(const std::string& target, int32_t device,
                                                  const std::vector<OperandShape>& operands,
-                                                 const std::map<std::string, double>& values);
+                                                 const AttributeValues& values);
 
 }  // namespace jax_sdpa

@@ -52,6 +52,8 @@ def _inputs(call: AttentionCall, config: CallSpec, mask):
         inputs["dropout_seed"] = kernel_vjp.dropout_seed(call.dropout_rng)
     if config.has_sinks:
         inputs["sinks"] = call.sinks
+    if config.score_mod_tables:
+        inputs["score_mod_tables"] = call.score_mod_program.tables(batch, call.query.shape[2])
     return inputs
 
 

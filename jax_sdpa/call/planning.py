@@ -26,7 +26,7 @@ def call_reason(call: AttentionCall) -> str | None:
                                                     ("value head_dim", head_dim_v)))
     if reason is None and call.spec.fp8:
         reason = fp8.fp8_reason(head_dim, head_dim_v, call.query.shape[1], call.key.shape[1])
-    return (reason or dense.score_mod_reason(call.spec.has_score_mod) or
+    return (reason or dense.score_mod_reason(call) or
             dense.soft_cap_reason(call.spec.logits_soft_cap or None) or
             dense.diagonal_band(call)[1])
 
@@ -72,7 +72,8 @@ def _backward_reason(call: AttentionCall) -> str | None:
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = dense.backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
-                                   spec.logits_soft_cap or None, spec.bias_grad)
+                                   spec.logits_soft_cap or None, spec.bias_grad,
+                                   spec.has_score_mod)
     if reason is None and spec.fp8:
         reason = fp8.fp8_backward_reason(q_seq_len, kv_seq_len, head_dim)
     return reason
@@ -92,6 +93,9 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
     if backward is not None and spec.dropout > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
+    if backward is not None and spec.has_score_mod:
+        # The kernels' reference backward sees the call's arrays, not its score_mod.
+        reason = f"{backward}, and a score_mod's forward runs where its backward does"
     if not use_cudnn(reason, implementation, call.query.dtype):
         return spec
     band, _ = dense.diagonal_band(call)
@@ -105,15 +109,33 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
         backward_kernel = "xla"
     dense_segments = False
     if spec.segments:
-        dense_reason = packed.ragged_reason(call)
+        dense_reason = packed.ragged_reason(call) or _score_mod_packing_reason(call)
         if dense_reason is not None:
             warn(f"jax_sdpa: segment ids take the dense path because {dense_reason}")
             dense_segments = True
     ragged = bool(spec.segments) and not dense_segments
     return dataclasses.replace(
-        spec, **band, deterministic=bool(deterministic), implementation="cudnn",
-        backward_implementation=backward_kernel, segments=spec.segments if ragged else "",
+        spec, **band, **_score_mod_programs(call), deterministic=bool(deterministic),
+        implementation="cudnn", backward_implementation=backward_kernel,
+        segments=spec.segments if ragged else "",
         max_segments=spec.max_segments if ragged else 0,
         max_document_length=spec.max_document_length if ragged else (),
         command_buffer=command_buffers.command_buffers(),
         **_bias_layout(call, dense_segments))
+
+
+def _score_mod_packing_reason(call: AttentionCall) -> str | None:
+    if call.score_mod is not None:
+        # cuDNN's ragged layout numbers a document's tokens from its own start
+        return "score_mod sees the rows' positions, which the ragged layout renumbers"
+    return None
+
+
+def _score_mod_programs(call: AttentionCall) -> dict:
+    """The CallSpec fields of the call's score modifier on cuDNN."""
+    if call.score_mod is None:
+        return {}
+    program = call.score_mod_program
+    return dict(score_mod=program.forward, score_mod_bprop=program.backward,
+                score_mod_tables=program.table_count)
+

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 # Every array a kernel call can take, in the order the FFI and the sharding rules list them.
 INPUTS = ("query", "key", "value", "bias", "q_lengths", "kv_lengths", "q_segment_ids",
-          "kv_segment_ids", "dropout_seed", "sinks", "page_table")
+          "kv_segment_ids", "dropout_seed", "sinks", "page_table", "score_mod_tables")
 IMPLEMENTATIONS = ("cudnn", "xla")  # cuDNN's fused kernels, or the pure-JAX reference
 _UNBOUNDED = 1 << 30  # a window bound no sequence reaches
 
@@ -92,9 +92,13 @@ class CallSpec:
     # A sinks input (float [N], one logit per query head): the kernels scale their output by
     # the sink's share of each row (jax_sdpa/kernels/sink_softmax.py); cuDNN itself never sees it.
     has_sinks: bool = False
-    # A score modifier (score_mod, alibi_slopes): the reference path computes it
-    # (limits/dense.py says why cuDNN does not yet).
+    # A score modifier (score_mod, alibi_slopes); on cuDNN, written as pointwise programs
+    # (jax_sdpa/score_mod/program.py): the forward's, its derivative's, and how many tables
+    # (the score_mod_tables input, float32 [B, tables, N]) they read.
     has_score_mod: bool = False
+    score_mod: str = graph_option(_DENSE, default="")
+    score_mod_bprop: str = graph_option(("DenseBackward",), default="")
+    score_mod_tables: int = graph_option(_DENSE, default=0)
     # FP8 attention (jax_sdpa/reference/fp8_scaling.py's recipe): "" none, else the backward's
     # format ("e5m2" or "e4m3") for dO, dS and the gradients; Q, K, V, P and O are e4m3.
     fp8: str = ""
@@ -146,7 +150,8 @@ class CallSpec:
                    "q_lengths": self.has_lengths, "kv_lengths": self.has_lengths,
                    "q_segment_ids": bool(self.segments),
                    "kv_segment_ids": self.segments == "cross", "dropout_seed": self.has_seed,
-                   "sinks": self.has_sinks, "page_table": self.paged}
+                   "sinks": self.has_sinks, "page_table": self.paged,
+                   "score_mod_tables": self.score_mod_tables > 0}
         return tuple(name for name in INPUTS if present[name])
 
     def zero_fill(self, *, ragged: bool = False) -> str:
@@ -167,7 +172,7 @@ class CallSpec:
 
 
 def graph_options(handler: str) -> dict:
-    """{name: kind} ("float", "int" or "bool", the field's type) of the graph options the FFI
+    """{name: kind} ("float", "int", "bool" or "str", the field's type) of the graph options the FFI
     target of this handler takes, in field order."""
     return {field.name: str(field.type) for field in dataclasses.fields(CallSpec)
             if handler in field.metadata.get("graph_option", ())}

@@ -5,6 +5,7 @@ problem becomes a ValueError or TypeError that names the argument."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jax_sdpa.call.spec import CallSpec, Operands, describe
 from jax_sdpa.limits import fp8 as fp8_limits
 from jax_sdpa.reference.attention import alibi
+from jax_sdpa.score_mod.program import translate
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -43,6 +45,12 @@ class AttentionCall:
     sinks: jnp.ndarray | None = None  # float [N], one logit per query head
     # score_mod(score, batch, head, q_index, kv_index), ALiBi's included (alibi_slopes), or None
     score_mod: object = None
+
+    @functools.cached_property
+    def score_mod_program(self):
+        """The score modifier as cuDNN's pointwise programs (score_mod/program.py); raises
+        UnsupportedScoreMod naming what cuDNN cannot express."""
+        return translate(self.score_mod)
 
     @property
     def diagonal_offset(self) -> int:

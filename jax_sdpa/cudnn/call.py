@@ -17,7 +17,7 @@ from jax_sdpa.common.varying import varying_like
 from jax_sdpa.cudnn import extension
 from jax_sdpa.cudnn.targets import Target
 
-_TYPES = {"bool": bool, "int": np.int64, "float": np.float32}
+_TYPES = {"bool": bool, "int": np.int64, "float": np.float32, "str": str}
 
 
 def attribute_names(target: Target) -> tuple[str, ...]:
@@ -86,7 +86,8 @@ def ffi_call(target: Target, spec, operands: dict, own_attributes: dict, result_
     if device is not None and plan_workspace:
         described = tuple((jnp.dtype(x.dtype).name, tuple(int(d) for d in x.shape))
                           for x in ordered)
-        values = tuple(sorted((name, float(value)) for name, value in attributes.items()))
+        values = tuple(sorted((name, value if isinstance(value, str) else float(value))
+                              for name, value in attributes.items()))
         # By its handler: a target may be registered under another name (tests' poisoned twins).
         workspace = planned_workspace_bytes(target.handler, device, described, values)
     result_types = tuple(result_types)

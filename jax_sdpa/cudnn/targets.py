@@ -43,10 +43,12 @@ _ZERO_FILLS = (("zero_outputs", "bool"), ("zero_tails", "bool"))
 _BACKWARD_INPUTS = ("output", "stats", "d_output")
 _GRADIENTS = ("dq", "dk", "dv")
 
-# Dense [B, T, N, H] rows: a bias, lengths, segment ids masked inside cuDNN's kernel, dropout.
+# Dense [B, T, N, H] rows: a bias, lengths, segment ids masked inside cuDNN's kernel, dropout,
+# a score modifier's tables (present when the graph option score_mod_tables counts some).
 _DENSE_OPTIONAL = ((("bias",), "has_bias"), (("q_lengths", "kv_lengths"), "padding"),
                    (("q_segment_ids", "kv_segment_ids"), "segment_mask"),
-                   (("dropout_seed",), "dropout"), (("tails",), "zero_tails"))
+                   (("dropout_seed",), "dropout"), (("tails",), "zero_tails"),
+                   (("score_mod_tables",), "score_mod_tables"))
 _DENSE_ATTRIBUTES = (("has_bias", "bool"), ("padding", "bool"), ("segment_mask", "bool"),
                      *_ZERO_FILLS, *_RECORDING)
 

@@ -40,7 +40,8 @@ def _factors(config: CallSpec, groups: int):
             "dq": f"b t {heads} h", "dk": "b s k h", "dv": "b s k hv", "bias": bias,
             "dbias": bias, "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "b t",
             "kv_segment_ids": "b s", "dropout_seed": "seed", "sinks": heads,
-            "fp8_factors": "fp8_factor fp8_row", "amaxes": "amax amax_row"}
+            "fp8_factors": "fp8_factor fp8_row", "amaxes": "amax amax_row",
+            "score_mod_tables": f"b score_mod_table {heads}"}
 
 
 def _rule(config, groups, inputs, outputs):
@@ -51,7 +52,8 @@ def _rule(config, groups, inputs, outputs):
         rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()))
     # In order of first appearance: Shardy wants special factors sorted by index.
     replicated = tuple(f for f in used if f in ("t", "s", "h", "hv", "seed", "bias_b", "bias_n",
-                                                "fp8_factor", "fp8_row", "amax", "amax_row"))
+                                                "fp8_factor", "fp8_row", "amax", "amax_row",
+                                                "score_mod_table"))
     sizes = {"g": groups} if groups > 1 else {}
     return rule, replicated, sizes
 
@@ -94,7 +96,8 @@ def _specs(config, batch_axes, head_axes):
             "q_lengths": PartitionSpec(b), "kv_lengths": PartitionSpec(b),
             "q_segment_ids": PartitionSpec(b, None), "kv_segment_ids": PartitionSpec(b, None),
             "dropout_seed": PartitionSpec(None), "sinks": PartitionSpec(n),
-            "fp8_factors": PartitionSpec(None, None), "amaxes": PartitionSpec(None, None)}
+            "fp8_factors": PartitionSpec(None, None), "amaxes": PartitionSpec(None, None),
+            "score_mod_tables": PartitionSpec(b, None, n)}
 
 
 def _per_shard_seed(arrays, names, sharded_axes):

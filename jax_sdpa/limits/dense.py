@@ -7,11 +7,13 @@ import jax.numpy as jnp
 
 from jax_sdpa.cudnn import extension
 from jax_sdpa.limits import device, packed
+from jax_sdpa.score_mod.program import UnsupportedScoreMod
 
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
 MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
 MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
+MAX_SCORE_MOD_TABLES = 32  # a score modifier's tables (ffi/graph/sdpa_config.h)
 
 
 def kernel_reason(dtype, head_dims) -> str | None:
@@ -24,11 +26,23 @@ def kernel_reason(dtype, head_dims) -> str | None:
     return None
 
 
-def score_mod_reason(has_score_mod) -> str | None:
-    """None if the call has no score modifier, else why cuDNN does not run it."""
-    if has_score_mod:
-        return ("score_mod and alibi_slopes run on the XLA reference path: their cuDNN "
-                "score-modifier graphs are not built yet")
+def score_mod_reason(call) -> str | None:
+    """None if cuDNN can run the validated call's score modifier (score_mod, alibi_slopes) or
+    it has none, else why not."""
+    if call.score_mod is None:
+        return None
+    if call.spec.fp8:
+        return "score_mod and alibi_slopes do not run on cuDNN's FP8 graphs"
+    if device.device_reason() is None and extension.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
+        return (f"score_mod and alibi_slopes need cuDNN >= 9.4 (the loaded cuDNN is "
+                f"{extension.cudnn_version()})")
+    try:
+        program = call.score_mod_program
+    except UnsupportedScoreMod as error:
+        return str(error)
+    if program.table_count > MAX_SCORE_MOD_TABLES:
+        return (f"score_mod reads {program.table_count} values of the batch and head; cuDNN's "
+                f"graph takes at most {MAX_SCORE_MOD_TABLES}")
     return None
 
 
@@ -43,19 +57,20 @@ def soft_cap_reason(logits_soft_cap) -> str | None:
 
 
 def backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v, logits_soft_cap=None,
-                    bias_grad=False) -> str | None:
+                    bias_grad=False, score_mod=False) -> str | None:
     """None if cuDNN's backward takes these sizes on this device, else why not (the limits the
     cuDNN frontend checks when it builds the backward graph, and what we measured wrong)."""
     if q_seq_len == 1 and kv_seq_len == 1:
         return "cuDNN's backward does not support one query and one key (T = S = 1)"
-    if logits_soft_cap is not None and bias_grad:
-        # Measured on an H200 with cuDNN 9.19: dq, dk, dv right, dbias not.
-        return ("cuDNN's bias gradient under logits_soft_cap (a score modifier) was wrong on "
-                "cuDNN 9.19")
+    modifier = ("logits_soft_cap" if logits_soft_cap is not None else
+                "score_mod" if score_mod else None)
+    if modifier and bias_grad:
+        # Measured on an H200 with cuDNN 9.19 under soft-capping: dq, dk, dv right, dbias not.
+        return (f"cuDNN's bias gradient under {modifier} (a score modifier) was wrong on "
+                f"cuDNN 9.19")
     capability = device.gpu_capability()
-    if (logits_soft_cap is not None and capability is not None and
-            capability < MIN_SOFT_CAP_BACKWARD_CAPABILITY):
-        return (f"cuDNN's backward with logits_soft_cap needs compute capability 9.0 or newer "
+    if modifier and capability is not None and capability < MIN_SOFT_CAP_BACKWARD_CAPABILITY:
+        return (f"cuDNN's backward with {modifier} needs compute capability 9.0 or newer "
                 f"(got {capability[0]}.{capability[1]})")
     if capability is None or capability[0] == 9:
         return None

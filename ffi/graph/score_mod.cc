@@ -1,0 +1,183 @@
+#include "graph/score_mod.h"
+
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace jax_sdpa {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+fe::PointwiseMode_t ModeNamed(const std::string& name) {
+  static const std::map<std::string, fe::PointwiseMode_t> kModes = {
+      {"ADD", fe::PointwiseMode_t::ADD},
+      {"SUB", fe::PointwiseMode_t::SUB},
+      {"MUL", fe::PointwiseMode_t::MUL},
+      {"DIV", fe::PointwiseMode_t::DIV},
+      {"MAX", fe::PointwiseMode_t::MAX},
+      {"MIN", fe::PointwiseMode_t::MIN},
+      {"POW", fe::PointwiseMode_t::POW},
+      {"NEG", fe::PointwiseMode_t::NEG},
+      {"EXP", fe::PointwiseMode_t::EXP},
+      {"LOG", fe::PointwiseMode_t::LOG},
+      {"ABS", fe::PointwiseMode_t::ABS},
+      {"SQRT", fe::PointwiseMode_t::SQRT},
+      {"RSQRT", fe::PointwiseMode_t::RSQRT},
+      {"SIN", fe::PointwiseMode_t::SIN},
+      {"COS", fe::PointwiseMode_t::COS},
+      {"TAN", fe::PointwiseMode_t::TAN},
+      {"FLOOR", fe::PointwiseMode_t::FLOOR},
+      {"CEIL", fe::PointwiseMode_t::CEIL},
+      {"ERF", fe::PointwiseMode_t::ERF},
+      {"TANH_FWD", fe::PointwiseMode_t::TANH_FWD},
+      {"SIGMOID_FWD", fe::PointwiseMode_t::SIGMOID_FWD},
+      {"IDENTITY", fe::PointwiseMode_t::IDENTITY},
+      {"CMP_EQ", fe::PointwiseMode_t::CMP_EQ},
+      {"CMP_NEQ", fe::PointwiseMode_t::CMP_NEQ},
+      {"CMP_LT", fe::PointwiseMode_t::CMP_LT},
+      {"CMP_LE", fe::PointwiseMode_t::CMP_LE},
+      {"CMP_GT", fe::PointwiseMode_t::CMP_GT},
+      {"CMP_GE", fe::PointwiseMode_t::CMP_GE},
+      {"LOGICAL_AND", fe::PointwiseMode_t::LOGICAL_AND},
+      {"LOGICAL_OR", fe::PointwiseMode_t::LOGICAL_OR},
+      {"LOGICAL_NOT", fe::PointwiseMode_t::LOGICAL_NOT},
+      {"BINARY_SELECT", fe::PointwiseMode_t::BINARY_SELECT},
+  };
+  auto found = kModes.find(name);
+  if (found == kModes.end()) throw std::invalid_argument("no pointwise mode " + name);
+  return found->second;
+}
+
+std::vector<std::string> Split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  std::string part;
+  while (std::getline(stream, part, separator)) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+// One program's values as it is applied.
+class ProgramWriter {
+ public:
+  ProgramWriter(const std::shared_ptr<fe::graph::Graph>& graph, const ScoreModInputs& inputs)
+      : graph_(graph), inputs_(inputs) {}
+
+  ScoreTensor Apply(const std::string& program) {
+    std::vector<std::string> items = Split(program, ';');
+    if (items.empty() || items.back()[0] != '=') {
+      throw std::invalid_argument("a score_mod program ends with its result");
+    }
+    for (size_t i = 0; i + 1 < items.size(); ++i) values_.push_back(Instruction(items[i], i));
+    return Operand(items.back().substr(1));
+  }
+
+ private:
+  ScoreTensor Instruction(const std::string& item, size_t index) {
+    std::vector<std::string> tokens = Split(item, ' ');
+    if (tokens.size() < 3 || (tokens[0] != "f" && tokens[0] != "b")) {
+      throw std::invalid_argument("malformed score_mod instruction: " + item);
+    }
+    const bool boolean = tokens[0] == "b";
+    const fe::PointwiseMode_t mode = ModeNamed(tokens[1]);
+    const bool logical = tokens[1].rfind("CMP_", 0) == 0 || tokens[1].rfind("LOGICAL_", 0) == 0;
+    auto attributes = fe::graph::Pointwise_attributes()
+                          .set_name("score_mod_" + std::to_string(index))
+                          .set_mode(mode)
+                          .set_compute_data_type(logical ? fe::DataType_t::BOOLEAN
+                                                         : fe::DataType_t::FLOAT);
+    std::vector<ScoreTensor> in;
+    for (size_t i = 2; i < tokens.size(); ++i) in.push_back(Operand(tokens[i]));
+    ScoreTensor out;
+    if (in.size() == 1) {
+      out = graph_->pointwise(in[0], attributes);
+    } else if (in.size() == 2) {
+      out = graph_->pointwise(in[0], in[1], attributes);
+    } else if (in.size() == 3) {
+      out = graph_->pointwise(in[0], in[1], in[2], attributes);
+    } else {
+      throw std::invalid_argument("a score_mod instruction takes 1 to 3 operands: " + item);
+    }
+    out->set_data_type(boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    return out;
+  }
+
+  ScoreTensor Operand(const std::string& token) {
+    switch (token[0]) {
+      case 's':
+        return inputs_.score;
+      case 'g':
+        if (!inputs_.gradient) throw std::invalid_argument("a forward program reads g");
+        return inputs_.gradient;
+      case 'q':
+        return Index(2, query_index_);
+      case 'k':
+        return Index(3, key_index_);
+      case '%': {
+        size_t n = std::stoul(token.substr(1));
+        if (n >= values_.size()) throw std::invalid_argument("score_mod reads ahead: " + token);
+        return values_[n];
+      }
+      case 't': {
+        size_t n = std::stoul(token.substr(1));
+        if (n >= inputs_.tables.size()) {
+          throw std::invalid_argument("score_mod reads a missing table: " + token);
+        }
+        return inputs_.tables[n];
+      }
+      case 'c': {
+        // float.hex's text (or inf / nan): strtof reads both, exactly.
+        float value = std::strtof(token.c_str() + 1, nullptr);
+        return std::make_shared<fe::graph::Tensor_attributes>(value);
+      }
+      default:
+        throw std::invalid_argument("unknown score_mod operand " + token);
+    }
+  }
+
+  // The query's (axis 2) or key's (axis 3) position, generated once per program.
+  ScoreTensor Index(int64_t axis, ScoreTensor& cached) {
+    if (!cached) {
+      ScoreTensor anchor = inputs_.gradient ? inputs_.gradient : inputs_.score;
+      cached = graph_->pointwise(anchor, fe::graph::Pointwise_attributes()
+                                             .set_name(axis == 2 ? "score_mod_q" : "score_mod_k")
+                                             .set_mode(fe::PointwiseMode_t::GEN_INDEX)
+                                             .set_axis(axis)
+                                             .set_compute_data_type(fe::DataType_t::INT32));
+      cached->set_data_type(fe::DataType_t::INT32);
+    }
+    return cached;
+  }
+
+  std::shared_ptr<fe::graph::Graph> graph_;
+  const ScoreModInputs& inputs_;
+  std::vector<ScoreTensor> values_;
+  ScoreTensor query_index_, key_index_;
+};
+
+}  // namespace
+
+ScoreTensor ApplyScoreMod(const std::shared_ptr<fe::graph::Graph>& graph,
+                          const std::string& program, const ScoreModInputs& inputs) {
+  return ProgramWriter(graph, inputs).Apply(program);
+}
+
+std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t batch,
+                                           int64_t q_heads, int64_t count, int64_t first_uid) {
+  std::vector<ScoreTensor> tables;
+  for (int64_t i = 0; i < count; ++i) {
+    tables.push_back(graph.tensor(fe::graph::Tensor_attributes()
+                                      .set_name("score_mod_table_" + std::to_string(i))
+                                      .set_uid(first_uid + i)
+                                      .set_dim({batch, q_heads, 1, 1})
+                                      .set_stride({count * q_heads, 1, 1, 1})
+                                      .set_data_type(fe::DataType_t::FLOAT)));
+  }
+  return tables;
+}
+
+}  // namespace jax_sdpa
