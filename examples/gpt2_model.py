@@ -47,6 +47,7 @@ class GPTConfig:
     logits_soft_cap: float | None = None  # Gemma 2-style capping of the attention scores
     sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
     fp8: bool = False  # FP8 attention (jax_sdpa's fp8=True: e4m3 forward, e5m2 backward)
+    alibi: bool = False  # ALiBi (jax_sdpa's alibi_slopes, the standard slopes) for positions
     # Rows with segment ids hold at most this many documents (the data loader's promise): told
     # to jax_sdpa (max_segments, and max_document_length = seq_len), it runs one cuDNN plan
     # with no check on the device. None: no promise; the call checks the rows itself.
@@ -65,6 +66,8 @@ class CausalSelfAttention(nnx.Module):
             self.variants["logits_soft_cap"] = config.logits_soft_cap
         if config.fp8:
             self.variants["fp8"] = True
+        if config.alibi:
+            self.variants["alibi_slopes"] = jax_sdpa.alibi_slopes(config.n_head)
         self.documents = ({} if config.documents_per_row is None or
                           config.attention != "jax_sdpa" else
                           dict(max_segments=config.documents_per_row,
@@ -97,6 +100,8 @@ class CausalSelfAttention(nnx.Module):
         """The newest tokens x [B, T, D] against a paged KV cache (key_cache, value_cache):
         their keys and values written at positions start[b].. (left padding has negative
         positions: dropped), then attention over the first start + T keys. Returns (y, cache)."""
+        if "alibi_slopes" in self.variants:
+            raise NotImplementedError("paged decoding takes no alibi_slopes")
         q, k, v = self._qkv(x)
         cache = jax_sdpa.paged_kv_update(*cache, page_table, start, k, v)
         y = jax_sdpa.paged_attention(q, *cache, page_table, start + x.shape[1],
@@ -129,8 +134,9 @@ class GPT(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.token_embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype,
                                      embedding_init=init, rngs=rngs)
-        self.position_embed = nnx.Embed(config.seq_len, config.d_model, dtype=dtype,
-                                        embedding_init=init, rngs=rngs)
+        # With ALiBi, attention itself knows the positions.
+        self.position_embed = None if config.alibi else nnx.Embed(
+            config.seq_len, config.d_model, dtype=dtype, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
 
@@ -139,7 +145,9 @@ class GPT(nnx.Module):
         sequence, as the zigzag ring layout makes, or packed documents pass their own).
         segment_ids: int32 [B, T], packed documents: tokens attend within their own."""
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-        x = _lookup(self.token_embed, tokens) + _lookup(self.position_embed, positions)
+        x = _lookup(self.token_embed, tokens)
+        if self.position_embed is not None:
+            x = x + _lookup(self.position_embed, positions)
         for block in self.blocks:
             x = block(x, segment_ids)
         return self.token_embed.attend(self.ln_f(x)).astype(jnp.float32)  # tied output layer

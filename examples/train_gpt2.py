@@ -7,6 +7,7 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
     python examples/train_gpt2.py --rows padded        # one file per row, padded: to compare
     python examples/train_gpt2.py --logits-soft-cap 30 --sinks   # Gemma 2 / gpt-oss attention
     python examples/train_gpt2.py --fp8-attention --n-head 6     # FP8 attention, head_dim 128
+    python examples/train_gpt2.py --alibi                        # ALiBi, no learned positions
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
@@ -74,12 +75,17 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-attention", dest="fp8", action="store_true",
                         help="FP8 attention (jax_sdpa, fp8=True; on Hopper the backward runs on "
                              "cuDNN at head_dim 128, e.g. --n-head 6 at d_model 768)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="ALiBi (jax_sdpa's alibi_slopes) instead of learned positions")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
-    if ((args.logits_soft_cap is not None or args.sinks or args.fp8) and
+    if ((args.logits_soft_cap is not None or args.sinks or args.fp8 or args.alibi) and
             args.attention != "jax_sdpa"):
-        parser.error("--logits-soft-cap, --sinks and --fp8-attention need --attention jax_sdpa "
-                     "(jax.nn has none of them)")
+        parser.error("--logits-soft-cap, --sinks, --fp8-attention and --alibi need --attention "
+                     "jax_sdpa (jax.nn has none of them)")
+    if args.alibi and (args.fp8 or args.rows != "windows"):
+        parser.error("--alibi takes causal windows without --fp8-attention (a score modifier "
+                     "on packed rows takes cuDNN's dense path)")
     if args.documents_per_row < 0:
         parser.error("--documents-per-row must be >= 0")
     if args.fp8 and (args.logits_soft_cap is not None or args.sinks or args.rows != "windows"):
@@ -102,6 +108,7 @@ def model_config(args):
     return GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                      d_model=args.d_model, dtype=args.dtype, attention=args.attention,
                      logits_soft_cap=args.logits_soft_cap, sinks=args.sinks, fp8=args.fp8,
+                     alibi=args.alibi,
                      documents_per_row=documents_per_row)
 
 

@@ -65,6 +65,22 @@ def test_train_gpt2_with_soft_cap_and_learned_sinks(tmp_path):
     assert refused.returncode != 0 and "--sinks" in refused.stderr
 
 
+def test_train_gpt2_with_alibi(tmp_path):
+    """--alibi trains without learned positions (fewer parameters), and is refused by name
+    with a jax.nn attention."""
+    result = run(str(ROOT / "examples/train_gpt2.py"), "--alibi", "--steps", "24",
+                 "--eval-every", "12", "--n-layer", "2", "--seq-len", "64", "--out-dir", "out",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert log["args"]["alibi"]
+    losses = [entry["loss"] for entry in log["train"]]
+    assert losses[-1] < losses[0] - 1.0
+    refused = run(str(ROOT / "examples/train_gpt2.py"), "--alibi", "--attention", "xla",
+                  "--steps", "1", cwd=tmp_path)
+    assert refused.returncode != 0 and "--alibi" in refused.stderr
+
+
 def test_packed_rows_follow_their_documents():
     """A packed row's segment ids change exactly where the file changes, positions restart
     there, and no loss crosses a file boundary."""
