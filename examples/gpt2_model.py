@@ -66,8 +66,7 @@ class CausalSelfAttention(nnx.Module):
             self.variants["logits_soft_cap"] = config.logits_soft_cap
         if config.fp8:
             self.variants["fp8"] = True
-        if config.alibi:
-            self.variants["alibi_slopes"] = jax_sdpa.alibi_slopes(config.n_head)
+        self.alibi = config.alibi
         self.documents = ({} if config.documents_per_row is None or
                           config.attention != "jax_sdpa" else
                           dict(max_segments=config.documents_per_row,
@@ -84,6 +83,8 @@ class CausalSelfAttention(nnx.Module):
 
     def _variants(self):
         variants = dict(self.variants)
+        if self.alibi:
+            variants["alibi_slopes"] = jax_sdpa.alibi_slopes(self.n_head)
         if self.sinks is not None:
             variants["sinks"] = self.sinks[...]
         return variants
@@ -100,7 +101,7 @@ class CausalSelfAttention(nnx.Module):
         """The newest tokens x [B, T, D] against a paged KV cache (key_cache, value_cache):
         their keys and values written at positions start[b].. (left padding has negative
         positions: dropped), then attention over the first start + T keys. Returns (y, cache)."""
-        if "alibi_slopes" in self.variants:
+        if self.alibi:
             raise NotImplementedError("paged decoding takes no alibi_slopes")
         q, k, v = self._qkv(x)
         cache = jax_sdpa.paged_kv_update(*cache, page_table, start, k, v)
