@@ -281,6 +281,10 @@ class _Writer:
                                _Node(_constant_token(1), _FLOAT, False), dtype)
         if name == "sign":
             return self.sign(x[0])
+        if name == "one_minus_square":  # JAX 0.12's tanh derivative: 1 - x^2
+            square = self.binary("MUL", x[0], x[0], dtype, commutative=True)
+            return self.binary("ADD", self.unary("NEG", square, dtype),
+                               _Node(_constant_token(1), _FLOAT, False), dtype, True)
         if name in _UNARY:
             return self.unary(_UNARY[name], x[0], dtype)
         if name == "clamp":  # clamp(low, x, high)
