@@ -170,6 +170,13 @@ struct Modifiers {
   std::shared_ptr<TensorPtr> user_score;
 
   bool any(const SdpaConfig& c) const { return soft_cap.modifier || !c.score_mod.empty(); }
+  // A derivative other than the identity (the frontend passes dS through without a bprop, as
+  // it does for the masks alone; an additive modifier such as ALiBi's has none).
+  bool derivative(const SdpaConfig& c) const {
+    return soft_cap.modifier ||
+           (!c.score_mod.empty() && c.score_mod_bprop != kIdentityDerivative);
+  }
+  static constexpr const char* kIdentityDerivative = "=g";
 };
 
 Modifiers AddModifiers(fe::graph::Graph& graph, const SdpaConfig& c) {
@@ -189,7 +196,7 @@ TensorPtr ModifyScores(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr
 // The derivative of ModifyScores: the gradient of the modified scores to that of the scores.
 TensorPtr ModifyGradient(const std::shared_ptr<fe::graph::Graph>& graph, TensorPtr d_scores,
                          const SdpaConfig& c, const Modifiers& m) {
-  if (!c.score_mod.empty()) {
+  if (!c.score_mod.empty() && c.score_mod_bprop != Modifiers::kIdentityDerivative) {
     d_scores = ApplyScoreMod(graph, c.score_mod_bprop,
                              ScoreModInputs{*m.user_score, d_scores, m.tables});
   }
@@ -374,7 +381,7 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaConfig& c) {
                      .set_deterministic_algorithm(c.deterministic);
   Modifiers modifiers = AddModifiers(*graph, c);
   SetMasking(*graph, c, modifiers, options);
-  if (modifiers.any(c)) {
+  if (modifiers.derivative(c)) {
     options.set_score_mod_bprop(
         [modifiers, c](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_scores) {
           return ModifyGradient(sub, d_scores, c, modifiers);
