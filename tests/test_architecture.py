@@ -32,7 +32,7 @@ LAYERS = [
     {"limits.device"},
     {"call.spec", "cudnn.targets", "cudnn.extension", "cudnn.command_buffers",  # leaves
      "reference.attention", "reference.fp8_scaling", "common.warn", "common.versions",
-     "common.varying", "score_mod.program", "api", "call", "limits", "kernels", "packing",
+     "common.varying", "score_mod.program", "masks", "api", "call", "limits", "kernels", "packing",
      "cudnn", "reference", "common", "score_mod"},
 ]
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from jax_sdpa import masks
 from jax_sdpa.call import inputs as fused_path
 from jax_sdpa.call import planning
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference.attention import described_attention
 from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
+from jax_sdpa.common.warn import warn
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -27,7 +31,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       key: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA / MQA).
       value: ``[batch..., S, K, Hv]``; ``Hv`` may differ from ``H`` (the output has ``Hv``).
       bias: optional float array broadcastable to ``[B, N, T, S]``, added to the scores.
-      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
+      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend. Or a
+        ``jax_sdpa.masks`` description (causal, sliding_window, documents, prefix_lm,
+        global_tokens, block_table, from_boolean, combined with ``|`` and ``&``): those
+        cuDNN's own masks express run as those masks, the others as their boolean form.
       scale: score scale; defaults to ``1 / sqrt(H)``.
       is_causal: causal mask, aligned top-left (query i sees keys 0..i), as jax.nn.
       query_seq_lengths, key_value_seq_lengths: optional int32 ``[B]`` valid lengths; query rows
@@ -105,6 +112,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
     """
     residual_dtype = checked_residual_dtype(residual_dtype, query)
+    if isinstance(mask, masks.Mask):
+        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids) = _described_mask(
+            mask, query, key, implementation, is_causal=is_causal,
+            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+            kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
     call = validate(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     query_seq_lengths=query_seq_lengths,
                     key_value_seq_lengths=key_value_seq_lengths,
@@ -124,6 +136,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if not return_residual:
         return output
     return output, _residual(call, lse, residual_dtype)
+
+
+def _described_mask(mask, query, key, implementation, causal_alignment, **keywords):
+    """A jax_sdpa.masks description as cuDNN's own masks (merged into the keywords), or as its
+    boolean form, with a warning where that costs speed (an NVIDIA GPU, half-precision
+    inputs)."""
+    names = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")
+    native = masks.native_keywords(mask, keywords, causal_alignment)
+    if native is not None:
+        return None, tuple(native[name] for name in names)
+    if implementation != "xla" and planning.fallback_costs_speed(query.dtype):
+        warn(f"jax_sdpa: the mask {type(mask).__name__} runs as a boolean [B, N, T, S] mask "
+             f"(dense cost): {masks.explain(mask)}")
+    batch = math.prod(query.shape[:-3])
+    boolean = mask.to_boolean(query.shape[-3], key.shape[-3], batch)
+    return boolean, tuple(keywords[name] for name in names)
 
 
 def _residual(call: AttentionCall, lse, dtype):

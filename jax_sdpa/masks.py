@@ -1,0 +1,278 @@
+"""Masks as data: descriptions of which keys each query sees, passed as
+``dot_product_attention(..., mask=m)`` next to boolean arrays.
+
+A description knows its structure: the ones cuDNN's own masks express (``causal``,
+``sliding_window``, ``documents``, and their intersections) run as those masks, at the cost of
+the tiles they keep, with no ``[T, S]`` array formed; any other (unions, ``prefix_lm``,
+``global_tokens``, ``block_table``, ``from_boolean``) is formed as a boolean mask, which costs
+the dense time (``explain(mask)`` says which). Every description also gives its boolean form
+(``to_boolean``), the oracle the reference path and the tests read.
+
+Positions are the rows' own: query ``i`` and key ``j`` count from 0 at the top-left of the
+``[T, S]`` score matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+_UNBOUNDED = 1 << 30
+
+
+class Mask:
+    """Which keys each query sees (True = attend). Combine with ``|`` and ``&``."""
+
+    def keep(self, batch: int, q_seq_len: int, kv_seq_len: int):
+        """bool array broadcastable to [B, N, T, S] (rank 4)."""
+        raise NotImplementedError
+
+    def native(self) -> dict | None:
+        """dot_product_attention keywords that express this mask with cuDNN's own masks, or
+        None."""
+        return None
+
+    def to_boolean(self, q_seq_len: int, kv_seq_len: int, batch: int = 1):
+        """The boolean form, [B|1, N|1, T, S]."""
+        return jnp.asarray(self.keep(batch, q_seq_len, kv_seq_len), bool)
+
+    def block_table(self, q_seq_len, kv_seq_len, tile_q=128, tile_k=128, batch=1):
+        """bool [B|1, N|1, ceil(T / tile_q), ceil(S / tile_k)]: the tiles that keep any
+        element (the work a kernel that skips empty tiles does)."""
+        keep = np.asarray(self.to_boolean(q_seq_len, kv_seq_len, batch))
+        rows, cols = math.ceil(q_seq_len / tile_q), math.ceil(kv_seq_len / tile_k)
+        padded = np.zeros((*keep.shape[:2], rows * tile_q, cols * tile_k), bool)
+        padded[..., :q_seq_len, :kv_seq_len] = keep
+        return padded.reshape(*keep.shape[:2], rows, tile_q, cols, tile_k).any(axis=(3, 5))
+
+    def density(self, q_seq_len, kv_seq_len, batch=1) -> float:
+        """The share of the [T, S] scores kept."""
+        return float(np.asarray(self.to_boolean(q_seq_len, kv_seq_len, batch)).mean())
+
+    def __or__(self, other):
+        return Union(_as_mask(self), _as_mask(other))
+
+    def __and__(self, other):
+        return Intersection(_as_mask(self), _as_mask(other))
+
+
+def _positions(q_seq_len, kv_seq_len):
+    return (np.arange(q_seq_len)[None, None, :, None], np.arange(kv_seq_len)[None, None, None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+    """Query i sees keys 0..i (top-left, as is_causal)."""
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        i, j = _positions(q_seq_len, kv_seq_len)
+        return j <= i
+
+    def native(self):
+        return dict(is_causal=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """Query i sees keys i - left .. i + right (inclusive, as local_window_size)."""
+
+    left: int
+    right: int
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        i, j = _positions(q_seq_len, kv_seq_len)
+        return (j >= i - self.left) & (j <= i + self.right)
+
+    def native(self):
+        return dict(local_window_size=(self.left, self.right))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Documents(Mask):
+    """A query sees the keys of its own document: int32 ids [B, T] and [B, S] (the keys' the
+    queries' when omitted, T = S), as query_segment_ids / kv_segment_ids."""
+
+    query_segment_ids: object
+    kv_segment_ids: object = None
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        q_ids = jnp.asarray(self.query_segment_ids)
+        kv_ids = q_ids if self.kv_segment_ids is None else jnp.asarray(self.kv_segment_ids)
+        return q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+    def native(self):
+        return dict(query_segment_ids=self.query_segment_ids, kv_segment_ids=self.kv_segment_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM(Mask):
+    """Every query sees the keys before prefix_length, and is causal after."""
+
+    prefix_length: int
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        i, j = _positions(q_seq_len, kv_seq_len)
+        return (j < self.prefix_length) | (j <= i)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalTokens(Mask):
+    """The first n queries see every key, and every query sees the first n keys."""
+
+    n: int
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        i, j = _positions(q_seq_len, kv_seq_len)
+        return (i < self.n) | (j < self.n)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockTable(Mask):
+    """bool [ceil(T / tile_q), ceil(S / tile_k)] (or [N, ...], [B, N, ...]): True = the tile
+    is computed, whole."""
+
+    table: object
+    tile_q: int
+    tile_k: int
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        table = jnp.asarray(self.table, bool)
+        rows, cols = math.ceil(q_seq_len / self.tile_q), math.ceil(kv_seq_len / self.tile_k)
+        if table.shape[-2:] != (rows, cols):
+            raise ValueError(f"block_table's table must end in [ceil(T / tile_q), ceil(S / "
+                             f"tile_k)] = [{rows}, {cols}], got {table.shape}")
+        table = table.reshape((1,) * (4 - table.ndim) + table.shape)
+        return jnp.repeat(jnp.repeat(table, self.tile_q, axis=2)[:, :, :q_seq_len],
+                          self.tile_k, axis=3)[..., :kv_seq_len]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FromBoolean(Mask):
+    """A boolean array broadcastable to [B, N, T, S] ([T, S] and [N, T, S] too)."""
+
+    mask: object
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        mask = jnp.asarray(self.mask, bool)
+        if mask.ndim > 4:
+            raise ValueError(f"from_boolean takes a mask of rank <= 4, got {mask.shape}")
+        return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Union(Mask):
+    """Keys either mask keeps."""
+
+    a: Mask
+    b: Mask
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        return self.a.keep(batch, q_seq_len, kv_seq_len) | self.b.keep(batch, q_seq_len,
+                                                                        kv_seq_len)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Intersection(Mask):
+    """Keys both masks keep: cuDNN's own masks where both parts are (one window at most, one
+    set of documents at most)."""
+
+    a: Mask
+    b: Mask
+
+    def keep(self, batch, q_seq_len, kv_seq_len):
+        return self.a.keep(batch, q_seq_len, kv_seq_len) & self.b.keep(batch, q_seq_len,
+                                                                        kv_seq_len)
+
+    def native(self):
+        a, b = self.a.native(), self.b.native()
+        if a is None or b is None:
+            return None
+        merged = dict(a)
+        for name, value in b.items():
+            if name not in merged:
+                merged[name] = value
+            elif name == "local_window_size":
+                (left_a, right_a), (left_b, right_b) = merged[name], value
+                merged[name] = (min(left_a, left_b), min(right_a, right_b))
+            elif name != "is_causal":
+                return None  # two sets of documents: no single pair of id arrays says it
+        return merged
+
+
+def _as_mask(value) -> Mask:
+    if isinstance(value, Mask):
+        return value
+    return FromBoolean(value)
+
+
+def _bound(value, name, least=0):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return int(value)
+
+
+def causal() -> Mask:
+    """Query i sees keys 0..i (top-left, as is_causal=True)."""
+    return Causal()
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """Query i sees keys i - left .. i + right (as local_window_size=(left, right))."""
+    return SlidingWindow(_bound(left, "left"), _bound(right, "right"))
+
+
+def documents(query_segment_ids, kv_segment_ids=None) -> Mask:
+    """Queries see the keys of their own document (as query_segment_ids / kv_segment_ids)."""
+    return Documents(query_segment_ids, kv_segment_ids)
+
+
+def prefix_lm(prefix_length: int) -> Mask:
+    """Every query sees the keys before prefix_length; after it, causal."""
+    return PrefixLM(_bound(prefix_length, "prefix_length"))
+
+
+def global_tokens(n: int) -> Mask:
+    """The first n queries see every key, and every query sees the first n keys."""
+    return GlobalTokens(_bound(n, "n"))
+
+
+def block_table(table, tile_q: int, tile_k: int) -> Mask:
+    """Tiles of tile_q queries by tile_k keys, computed where the boolean table is True."""
+    return BlockTable(table, _bound(tile_q, "tile_q", 1), _bound(tile_k, "tile_k", 1))
+
+
+def from_boolean(mask) -> Mask:
+    """A boolean array broadcastable to [B, N, T, S]; True = attend."""
+    return FromBoolean(mask)
+
+
+_NATIVE_KEYWORDS = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")
+
+
+def native_keywords(mask: Mask, keywords: dict, causal_alignment: str) -> dict | None:
+    """The call's keywords (is_causal, local_window_size, segment ids) with the description
+    merged in as cuDNN's own masks, where they say it exactly (top-left alignment, and no window
+    or ids of the call's own to merge with); else None (the boolean form is needed)."""
+    native = mask.native()
+    if native is None or causal_alignment != "top_left":
+        return None
+    taken = {name for name in _NATIVE_KEYWORDS if keywords.get(name) not in (None, False)}
+    wanted = {name for name, value in native.items() if value is not None}
+    if taken & wanted - {"is_causal"}:
+        return None
+    return {**keywords, **{name: native[name] for name in wanted}}
+
+
+def explain(mask: Mask) -> str:
+    """How dot_product_attention runs a mask: as cuDNN's own masks (their keywords), or as a
+    boolean [B, N, T, S] mask (dense cost)."""
+    native = _as_mask(mask).native()
+    if native is None:
+        return "a boolean mask formed from the description: dense cost (cuDNN skips no tile)"
+    given = {name: value for name, value in native.items() if value is not None}
+    return "cuDNN's own masks: " + ", ".join(
+        f"{name}={value!r}" if not hasattr(value, "shape") else f"{name}=<{value.shape} array>"
+        for name, value in given.items())

@@ -1,0 +1,165 @@
+"""jax_sdpa.masks: each description's boolean form against a hand-written oracle, attention
+with a description equal to attention with its boolean form (reference path, odd lengths,
+B = 1, every gradient pattern, vmap), the descriptions cuDNN's own masks express lowered without
+any [T, S] array, and the rest explained."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa
+from jax_sdpa import masks
+from conftest import gradient_patterns, random_qkv
+
+T, S = 13, 13
+
+
+def oracle(name, t, s):
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    return {"causal": j <= i, "window": (j >= i - 3) & (j <= i + 1), "prefix": (j < 4) | (j <= i),
+            "global": (i < 2) | (j < 2)}[name]
+
+
+BUILT = {"causal": masks.causal(), "window": masks.sliding_window(3, 1),
+         "prefix": masks.prefix_lm(4), "global": masks.global_tokens(2)}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT))
+@pytest.mark.parametrize("t, s", [(13, 13), (1, 9), (7, 9), (9, 7)])
+def test_boolean_forms(name, t, s):
+    got = np.asarray(BUILT[name].to_boolean(t, s))
+    assert got.shape == (1, 1, t, s)
+    np.testing.assert_array_equal(got[0, 0], oracle(name, t, s))
+
+
+def test_documents_block_tables_and_combinations():
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]], np.int32)
+    docs = np.asarray(masks.documents(ids).to_boolean(T, S))[0, 0]
+    np.testing.assert_array_equal(docs, ids[0][:, None] == ids[0][None, :])
+    table = np.array([[1, 0, 0, 1], [0, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 1]], bool)
+    tiled = np.asarray(masks.block_table(table, 4, 4).to_boolean(T, S))[0, 0]
+    np.testing.assert_array_equal(tiled, table[np.arange(T)[:, None] // 4,
+                                               np.arange(S)[None, :] // 4])
+    both = masks.causal() & masks.documents(ids)
+    np.testing.assert_array_equal(np.asarray(both.to_boolean(T, S))[0, 0],
+                                  oracle("causal", T, S) & docs)
+    either = masks.global_tokens(2) | masks.sliding_window(3, 1)
+    np.testing.assert_array_equal(np.asarray(either.to_boolean(T, S))[0, 0],
+                                  oracle("global", T, S) | oracle("window", T, S))
+
+
+def test_tile_structure_and_density():
+    window = masks.sliding_window(128, 0)
+    tiles = window.block_table(1024, 1024, 128, 128)[0, 0]
+    assert tiles.sum() == 8 + 7  # the diagonal tiles and the ones just left of them
+    assert window.density(1024, 1024) == pytest.approx(
+        np.mean(oracle_window(1024, 128)), rel=1e-6)
+    assert masks.causal().density(64, 64) == pytest.approx((64 * 65 / 2) / 64 ** 2)
+
+
+def oracle_window(n, left):
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    return (j >= i - left) & (j <= i)
+
+
+MASKS = {
+    "causal": lambda ids: masks.causal(),
+    "window": lambda ids: masks.sliding_window(3, 1),
+    "documents": lambda ids: masks.documents(ids),
+    "causal & documents": lambda ids: masks.causal() & masks.documents(ids),
+    "window & causal": lambda ids: masks.sliding_window(4, 2) & masks.causal(),
+    "prefix": lambda ids: masks.prefix_lm(4),
+    "global | window": lambda ids: masks.global_tokens(2) | masks.sliding_window(3, 0),
+    "per-head boolean": lambda ids: masks.from_boolean(
+        np.random.default_rng(0).random((4, T, S)) > 0.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_attention_with_a_description_is_attention_with_its_boolean_form(name):
+    q, k, v, d_out = random_qkv(1, 1, T, S, 4, 2, 32, jnp.float32)
+    ids = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]], jnp.int32)
+    mask = MASKS[name](ids)
+    boolean = mask.to_boolean(T, S, 1)
+
+    def described(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+    def plain(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, mask=boolean, implementation="xla")
+    for (pattern, ours), (_, theirs) in zip(gradient_patterns(described),
+                                            gradient_patterns(plain)):
+        for a, b in zip(ours(q, k, v, d_out), theirs(q, k, v, d_out)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{name} {pattern}")
+
+
+def test_vmap_over_a_described_mask():
+    q, k, v, _ = random_qkv(2, 3, T, S, 2, 2, 32, jnp.float32)
+    mask = masks.prefix_lm(5)
+    fn = jax.vmap(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, mask=mask, implementation="xla"))
+    expected = jax_sdpa.dot_product_attention(q, k, v, mask=mask.to_boolean(T, S),
+                                              implementation="xla")
+    np.testing.assert_allclose(np.asarray(fn(q, k, v)), np.asarray(expected), atol=2e-6)
+
+
+@pytest.mark.parametrize("name, native", [
+    ("causal", True), ("window", True), ("documents", True), ("causal & documents", True),
+    ("window & causal", True), ("prefix", False), ("global | window", False),
+    ("per-head boolean", False)])
+def test_what_cudnn_masks_express_forms_no_scores_array(name, native, monkeypatch):
+    """On cuDNN (lowered for CUDA here) a description its own masks express is no bias
+    operand at all; the others are a boolean mask's bias; explain says which."""
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
+    mask = MASKS[name](ids) if name != "per-head boolean" else masks.from_boolean(
+        np.ones((4, 64, 64), bool))
+    with pytest.warns(RuntimeWarning) if not native else _no_warning():
+        text = jax.jit(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, mask=mask, implementation="cudnn")).trace(q).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert ("has_bias = true" in text) != native
+    assert masks.explain(mask).startswith("cuDNN's own masks") == native
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings  # noqa: PLC0415
+        self.catcher = warnings.catch_warnings()
+        self.catcher.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        return self.catcher.__exit__(*exc)
+
+
+def test_a_described_mask_meets_the_calls_own_keywords():
+    """A window of the call's own and a window in the description: the boolean form (both
+    apply), never one silently dropped."""
+    q, k, v, _ = random_qkv(3, 1, T, S, 2, 2, 32, jnp.float32)
+    ours = jax_sdpa.dot_product_attention(q, k, v, mask=masks.sliding_window(2, 0),
+                                          local_window_size=(5, 5), implementation="xla")
+    both = oracle("causal", T, S) & (np.arange(S)[None] >= np.arange(T)[:, None] - 2)
+    expected = jax_sdpa.dot_product_attention(q, k, v, mask=jnp.asarray(both),
+                                              implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), atol=2e-6)
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: masks.sliding_window(-1), "left must be an int >= 0"),
+    (lambda: masks.block_table(np.ones((2, 2), bool), 0, 4), "tile_q must be an int >= 1"),
+    (lambda: masks.prefix_lm(2.5), "prefix_length"),
+])
+def test_bad_descriptions_are_named(build, words):
+    with pytest.raises(ValueError, match=words):
+        build()
+
+
+def test_a_block_table_of_the_wrong_size_is_named():
+    q, k, v, _ = random_qkv(4, 1, T, S, 2, 2, 32, jnp.float32)
+    with pytest.raises(ValueError, match=r"ceil\(T / tile_q\)"):
+        jax_sdpa.dot_product_attention(q, k, v, mask=masks.block_table(np.ones((2, 2)), 4, 4),
+                                       implementation="xla")
