@@ -83,10 +83,15 @@ def bench(config, rounds, variants=soft_cap_variants):
     inputs = make_inputs(config, seed=0)
     fns = {(name, mode): fn for name, attention in variants(config).items()
            for mode, fn in timed_functions(attention, config.causal).items()}
-    for fn in fns.values():
-        jax.block_until_ready(fn(inputs))
-    samples = interleaved_rounds(fns, lambda key: inputs, rounds)
     rows = []
+    for key, fn in list(fns.items()):
+        try:
+            jax.block_until_ready(fn(inputs))
+        except Exception as error:  # noqa: BLE001 - a row that says why, not a lost table
+            rows.append(dict(config=config.name, impl=key[0], mode=key[1], ms=float("nan"),
+                             error=str(error).splitlines()[0][:200]))
+            del fns[key]
+    samples = interleaved_rounds(fns, lambda key: inputs, rounds)
     for (name, mode), times in samples.items():
         rows.append(dict(config=config.name, impl=name, mode=mode,
                          ms=statistics.median(times) * 1e3))
@@ -99,7 +104,9 @@ def bench(config, rounds, variants=soft_cap_variants):
 def markdown(rows):
     lines = ["| config | mode | implementation | ms | × jax_sdpa plain |", "|---|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | "
-              f"{r['vs_plain']:.3f} |" for r in rows]
+              f"{r['vs_plain']:.3f} |" if "error" not in r else
+              f"| {r['config']} | {r['mode']} | {r['impl']} | failed: {r['error']} | |"
+              for r in rows]
     return "\n".join(lines)
 
 

@@ -36,6 +36,8 @@ def check(mod, option="", dtype=jnp.bfloat16, shape=(B, T, S, N, K, H)):
     q, k, v, d_out = random_qkv(len(mod) + len(option), batch, q_seq, kv_seq, heads, kv_heads,
                                 head_dim, dtype)
     kwargs = dict(option_kwargs(option, rng) if option else {}, **MODS[mod])
+    if mod == "alibi":  # the standard slopes of this shape's heads
+        kwargs["alibi_slopes"] = jax_sdpa.alibi_slopes(heads)
     bias = kwargs.pop("bias", None)
 
     def make(implementation, cast):
@@ -59,7 +61,7 @@ def test_score_mod_on_cudnn(mod):
 
 
 @pytest.mark.parametrize("option", ["causal", "causalBR", "window32_0+causal", "window16_8",
-                                    "lengths+causal", "bias1NTS", "mask", "segments+causal"])
+                                    "lengths+causal", "mask", "segments+causal"])
 def test_alibi_with_masks(option):
     check("alibi", option)
 
@@ -86,6 +88,17 @@ def test_gradient_patterns():
         ref = [pattern_ref for _, pattern_ref in gradient_patterns(f("xla")) if _ == name][0]
         up = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
         assert_close_to_reference(pattern(q, k, v, d_out), ref(*up), context=name)
+
+
+def test_a_bias_gradient_under_a_score_mod_is_refused_by_name():
+    """As under soft-capping (dbias measured wrong there on cuDNN 9.19): the backward would take
+    the reference path, which cannot run the score_mod's forward on cuDNN."""
+    q, k, v, _ = random_qkv(8, B, T, S, N, K, H, jnp.bfloat16)
+    bias = jnp.zeros((1, N, T, S), jnp.float32)
+    with pytest.raises(NotImplementedError, match="bias gradient under score_mod"):
+        jax.grad(lambda b: jax_sdpa.dot_product_attention(
+            q, k, v, bias=b, implementation="cudnn",
+            **MODS["alibi"]).astype(jnp.float32).sum())(bias)
 
 
 def test_runs_our_targets_with_the_programs_as_attributes():

@@ -1,5 +1,6 @@
 #include "graph/score_mod.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <sstream>
@@ -124,7 +125,7 @@ class ProgramWriter {
       }
       case 't': {
         size_t n = std::stoul(token.substr(1));
-        if (n >= inputs_.tables.size()) {
+        if (n >= inputs_.tables.size() || !inputs_.tables[n]) {
           throw std::invalid_argument("score_mod reads a missing table: " + token);
         }
         return inputs_.tables[n];
@@ -139,7 +140,9 @@ class ProgramWriter {
     }
   }
 
-  // The query's (axis 2) or key's (axis 3) position, generated once per program.
+  // The query's (axis 2) or key's (axis 3) position, generated once per program, as float32:
+  // programs carry integers as floats, and an INT32 index read by a FLOAT node gave wrong
+  // values (H100, cuDNN 9.19), where cuDNN's own sliding window reads float indices.
   ScoreTensor Index(int64_t axis, ScoreTensor& cached) {
     if (!cached) {
       ScoreTensor anchor = inputs_.gradient ? inputs_.gradient : inputs_.score;
@@ -147,8 +150,8 @@ class ProgramWriter {
                                              .set_name(axis == 2 ? "score_mod_q" : "score_mod_k")
                                              .set_mode(fe::PointwiseMode_t::GEN_INDEX)
                                              .set_axis(axis)
-                                             .set_compute_data_type(fe::DataType_t::INT32));
-      cached->set_data_type(fe::DataType_t::INT32);
+                                             .set_compute_data_type(fe::DataType_t::FLOAT));
+      cached->set_data_type(fe::DataType_t::FLOAT);
     }
     return cached;
   }
@@ -166,16 +169,35 @@ ScoreTensor ApplyScoreMod(const std::shared_ptr<fe::graph::Graph>& graph,
   return ProgramWriter(graph, inputs).Apply(program);
 }
 
+std::vector<bool> ScoreModTablesRead(const SdpaConfig& c) {
+  std::vector<bool> read(static_cast<size_t>(std::max<int64_t>(c.score_mod_tables, 0)), false);
+  auto mark = [&read](const std::string& program) {
+    for (const std::string& item : Split(program, ';')) {
+      for (const std::string& token : Split(item, ' ')) {
+        if (token[0] != 't') continue;
+        size_t n = std::stoul(token.substr(1));
+        if (n < read.size()) read[n] = true;
+      }
+    }
+  };
+  mark(c.score_mod);
+  if (c.direction == Direction::kBackward) mark(c.score_mod_bprop);
+  return read;
+}
+
 std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t batch,
-                                           int64_t q_heads, int64_t count, int64_t first_uid) {
-  std::vector<ScoreTensor> tables;
+                                           int64_t q_heads, const std::vector<bool>& read,
+                                           int64_t first_uid) {
+  const int64_t count = static_cast<int64_t>(read.size());
+  std::vector<ScoreTensor> tables(read.size());
   for (int64_t i = 0; i < count; ++i) {
-    tables.push_back(graph.tensor(fe::graph::Tensor_attributes()
+    if (!read[i]) continue;
+    tables[i] = graph.tensor(fe::graph::Tensor_attributes()
                                       .set_name("score_mod_table_" + std::to_string(i))
                                       .set_uid(first_uid + i)
                                       .set_dim({batch, q_heads, 1, 1})
                                       .set_stride({count * q_heads, 1, 1, 1})
-                                      .set_data_type(fe::DataType_t::FLOAT)));
+                                      .set_data_type(fe::DataType_t::FLOAT));
   }
   return tables;
 }

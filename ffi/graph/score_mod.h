@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "graph/sdpa_config.h"
+
 namespace jax_sdpa {
 
 using ScoreTensor = std::shared_ptr<cudnn_frontend::graph::Tensor_attributes>;
@@ -25,9 +27,14 @@ struct ScoreModInputs {
 ScoreTensor ApplyScoreMod(const std::shared_ptr<cudnn_frontend::graph::Graph>& graph,
                           const std::string& program, const ScoreModInputs& inputs);
 
+// Which of the config's score_mod_tables its graph reads (the forward's program; a backward's
+// derivative too): a graph holds those only, since cuDNN refuses inputs no node reads.
+std::vector<bool> ScoreModTablesRead(const SdpaConfig& c);
+
 // The tables' tensors: float32 [batch, count, q_heads] in memory, table i at uid first_uid + i
-// viewed as [batch, q_heads, 1, 1].
+// viewed as [batch, q_heads, 1, 1]; null where `read` says the graph does not read it.
 std::vector<ScoreTensor> AddScoreModTables(cudnn_frontend::graph::Graph& graph, int64_t batch,
-                                           int64_t q_heads, int64_t count, int64_t first_uid);
+                                           int64_t q_heads, const std::vector<bool>& read,
+                                           int64_t first_uid);
 
 }  // namespace jax_sdpa

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "graph/graph_description.h"
+#include "graph/score_mod.h"
 
 namespace jax_sdpa {
 namespace {
@@ -50,9 +51,12 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
     pack[kDropoutSeed] = Mutable(in.dropout_seed);
     pack[kDropoutOffset] = static_cast<char*>(Mutable(in.dropout_seed)) + 8;
   }
-  for (int64_t i = 0; i < c.score_mod_tables; ++i) {  // [batch, tables, heads]: table i's column
-    pack[kScoreModTables + i] =
-        static_cast<float*>(Mutable(in.score_mod_tables)) + i * c.q_heads;
+  std::vector<bool> read = ScoreModTablesRead(c);  // [batch, tables, heads]: table i's column
+  for (size_t i = 0; i < read.size(); ++i) {
+    if (read[i]) {
+      pack[kScoreModTables + i] =
+          static_cast<float*>(Mutable(in.score_mod_tables)) + i * c.q_heads;
+    }
   }
 }
 
