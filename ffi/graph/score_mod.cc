@@ -193,11 +193,11 @@ std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t batc
   for (int64_t i = 0; i < count; ++i) {
     if (!read[i]) continue;
     tables[i] = graph.tensor(fe::graph::Tensor_attributes()
-                                      .set_name("score_mod_table_" + std::to_string(i))
-                                      .set_uid(first_uid + i)
-                                      .set_dim({batch, q_heads, 1, 1})
-                                      .set_stride({count * q_heads, 1, 1, 1})
-                                      .set_data_type(fe::DataType_t::FLOAT));
+                                 .set_name("score_mod_table_" + std::to_string(i))
+                                 .set_uid(first_uid + i)
+                                 .set_dim({batch, q_heads, 1, 1})
+                                 .set_stride({count * q_heads, 1, 1, 1})
+                                 .set_data_type(fe::DataType_t::FLOAT));
   }
   return tables;
 }
