@@ -17,6 +17,12 @@ from test_gpu import B, H, K, N, S, T, option_kwargs
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def cudnn_score_mods(monkeypatch):
+    """These tests are what turns cuDNN's score-modifier graphs on (limits/dense.py)."""
+    monkeypatch.setattr(jax_sdpa.limits.dense, "SCORE_MOD_ON_CUDNN", True)
+
 TABLE = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32)
 MODS = {
     "alibi": dict(alibi_slopes=jax_sdpa.alibi_slopes(N)),
