@@ -140,9 +140,9 @@ class ProgramWriter {
     }
   }
 
-  // The query's (axis 2) or key's (axis 3) position, generated once per program, as float32:
-  // programs carry integers as floats, and an INT32 index read by a FLOAT node gave wrong
-  // values (H100, cuDNN 9.19), where cuDNN's own sliding window reads float indices.
+  // The query's (axis 2) or key's (axis 3) position, generated once per program, as float32
+  // (programs carry integers as floats), as cuDNN's own sliding window generates the indices
+  // its float arithmetic reads.
   ScoreTensor Index(int64_t axis, ScoreTensor& cached) {
     if (!cached) {
       ScoreTensor anchor = inputs_.gradient ? inputs_.gradient : inputs_.score;
