@@ -1,7 +1,7 @@
 """The core GPU cases, forward and backward, for compute-sanitizer (scripts/sanitize.sh):
 every target (dense, ragged, paged, FP8) and every feature that changes what the kernels read
 or write (bias and dbias, lengths, windows, dropout, value head_dim, GQA, packed documents
-checked and stated, vmap repeats) at small sizes, each checked for finiteness.
+checked and stated, score modifiers and their tables, vmap repeats) at small sizes, each checked for finiteness.
     python3 scripts/sanitize_cases.py [part of a case name]"""
 
 import jax
@@ -11,6 +11,7 @@ import numpy as np
 import jax_sdpa
 
 B, T, S, N, K, H = 2, 128, 192, 4, 2, 64
+jax_sdpa.limits.dense.SCORE_MOD_ON_CUDNN = True  # the score-modifier graphs are checked here too
 CASES = {
     "seed-like causal fp16": dict(dtype=jnp.float16, kwargs=dict(is_causal=True)),
     "bias with dbias": dict(bias=(1, N, T, S), kwargs=dict(is_causal=True)),
@@ -28,6 +29,9 @@ CASES = {
     "packed stated": dict(self_attention=True, kwargs=dict(
         is_causal=True, max_document_length=T // 4, max_segments=4,
         query_segment_ids=jnp.repeat(jnp.arange(4, dtype=jnp.int32), T // 4)[None].repeat(B, 0))),
+    "score_mod + alibi": dict(head_dim=128, kwargs=dict(
+        is_causal=True, alibi_slopes=jax_sdpa.alibi_slopes(N),
+        score_mod=lambda s, b, h, i, j: jnp.where(jnp.abs(i - j) < 32, s, s - 1.0))),
     "fp8 causal + lengths": dict(head_dim=128, self_attention=True, kwargs=dict(
         is_causal=True, fp8=True, query_seq_lengths=jnp.array([T, 100], jnp.int32),
         key_value_seq_lengths=jnp.array([T, 100], jnp.int32))),
