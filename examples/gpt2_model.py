@@ -48,10 +48,28 @@ class GPTConfig:
     sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
     fp8: bool = False  # FP8 attention (jax_sdpa's fp8=True: e4m3 forward, e5m2 backward)
     alibi: bool = False  # ALiBi (jax_sdpa's alibi_slopes, the standard slopes) for positions
+    # A jax_sdpa.masks description beside causality: "window:W" (the last W + 1 keys),
+    # "global:G" (the first G tokens see and are seen by all), joined by "," as a union.
+    mask: str | None = None
     # Rows with segment ids hold at most this many documents (the data loader's promise): told
     # to jax_sdpa (max_segments, and max_document_length = seq_len), it runs one cuDNN plan
     # with no check on the device. None: no promise; the call checks the rows itself.
     documents_per_row: int | None = None
+
+
+def attention_mask(spec: str):
+    """"window:W", "global:G" or both joined by "," (a union) as a jax_sdpa.masks
+    description; the attention is causal besides."""
+    builders = {"window": lambda n: jax_sdpa.masks.sliding_window(n, 0),
+                "global": jax_sdpa.masks.global_tokens}
+    mask = None
+    for part in spec.split(","):
+        name, _, size = part.partition(":")
+        if name not in builders or not size.isdigit():
+            raise ValueError(f"a mask part is window:W or global:G, got {part!r}")
+        built = builders[name](int(size))
+        mask = built if mask is None else mask | built
+    return mask
 
 
 class CausalSelfAttention(nnx.Module):
@@ -67,6 +85,7 @@ class CausalSelfAttention(nnx.Module):
         if config.fp8:
             self.variants["fp8"] = True
         self.alibi = config.alibi
+        self.mask = config.mask
         self.documents = ({} if config.documents_per_row is None or
                           config.attention != "jax_sdpa" else
                           dict(max_segments=config.documents_per_row,
@@ -85,6 +104,8 @@ class CausalSelfAttention(nnx.Module):
         variants = dict(self.variants)
         if self.alibi:
             variants["alibi_slopes"] = jax_sdpa.alibi_slopes(self.n_head)
+        if self.mask:
+            variants["mask"] = attention_mask(self.mask)
         if self.sinks is not None:
             variants["sinks"] = self.sinks[...]
         return variants
@@ -101,8 +122,8 @@ class CausalSelfAttention(nnx.Module):
         """The newest tokens x [B, T, D] against a paged KV cache (key_cache, value_cache):
         their keys and values written at positions start[b].. (left padding has negative
         positions: dropped), then attention over the first start + T keys. Returns (y, cache)."""
-        if self.alibi:
-            raise NotImplementedError("paged decoding takes no alibi_slopes")
+        if self.alibi or self.mask:
+            raise NotImplementedError("paged decoding takes no alibi_slopes or mask")
         q, k, v = self._qkv(x)
         cache = jax_sdpa.paged_kv_update(*cache, page_table, start, k, v)
         y = jax_sdpa.paged_attention(q, *cache, page_table, start + x.shape[1],

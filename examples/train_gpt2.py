@@ -8,6 +8,7 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
     python examples/train_gpt2.py --logits-soft-cap 30 --sinks   # Gemma 2 / gpt-oss attention
     python examples/train_gpt2.py --fp8-attention --n-head 6     # FP8 attention, head_dim 128
     python examples/train_gpt2.py --alibi                        # ALiBi, no learned positions
+    python examples/train_gpt2.py --mask global:16,window:256    # a jax_sdpa.masks description
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
@@ -36,7 +37,7 @@ from flax import nnx
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt2_model import ATTENTION, GPT, GPTConfig, save_parameters  # noqa: E402
+from gpt2_model import ATTENTION, GPT, GPTConfig, attention_mask, save_parameters  # noqa: E402
 from stdlib_text import (DocumentStream, load_stdlib_bytes, load_stdlib_documents,  # noqa: E402
                          random_batch, train_validation_split)
 
@@ -77,12 +78,22 @@ def parse_args(argv=None):
                              "cuDNN at head_dim 128, e.g. --n-head 6 at d_model 768)")
     parser.add_argument("--alibi", action="store_true",
                         help="ALiBi (jax_sdpa's alibi_slopes) instead of learned positions")
+    parser.add_argument("--mask", default=None,
+                        help="a jax_sdpa.masks description beside causality: window:W, "
+                             "global:G or global:G,window:W (jax_sdpa)")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
-    if ((args.logits_soft_cap is not None or args.sinks or args.fp8 or args.alibi) and
-            args.attention != "jax_sdpa"):
-        parser.error("--logits-soft-cap, --sinks, --fp8-attention and --alibi need --attention "
-                     "jax_sdpa (jax.nn has none of them)")
+    if ((args.logits_soft_cap is not None or args.sinks or args.fp8 or args.alibi or
+         args.mask) and args.attention != "jax_sdpa"):
+        parser.error("--logits-soft-cap, --sinks, --fp8-attention, --alibi and --mask need "
+                     "--attention jax_sdpa (jax.nn has none of them)")
+    if args.mask:
+        try:
+            attention_mask(args.mask)
+        except ValueError as error:
+            parser.error(f"--mask: {error}")
+        if args.fp8:
+            parser.error("--mask takes no --fp8-attention")
     if args.alibi and (args.fp8 or args.rows != "windows"):
         parser.error("--alibi takes causal windows without --fp8-attention (a score modifier "
                      "on packed rows takes cuDNN's dense path)")
@@ -108,7 +119,7 @@ def model_config(args):
     return GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                      d_model=args.d_model, dtype=args.dtype, attention=args.attention,
                      logits_soft_cap=args.logits_soft_cap, sinks=args.sinks, fp8=args.fp8,
-                     alibi=args.alibi,
+                     alibi=args.alibi, mask=args.mask,
                      documents_per_row=documents_per_row)
 
 
