@@ -13,9 +13,12 @@ attention (on an NVIDIA GPU with float16/bfloat16 inputs, with a warning naming 
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from flax import linen
 
+from jax_sdpa import masks
 from jax_sdpa.api import attention as _attention
 from jax_sdpa.call import planning
 from jax_sdpa.common.warn import warn
@@ -48,7 +51,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                           logits_soft_cap=None, sinks=None, score_mod=None, alibi_slopes=None):
     """Flax's attention_fn contract: q ``[batch..., T, N, H]``, k/v ``[batch..., S, K, H]``,
-    mask (True = attend) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
+    mask (True = attend; or a jax_sdpa.masks description, which Flax's modules pass through
+    unchanged) and bias broadcastable to ``[batch..., N, T, S]``. Softmax is always
     float32 here, so ``force_fp32_for_softmax`` and ``precision`` need no action.
 
     Flax's modules never pass ``logits_soft_cap``, ``sinks``, ``score_mod`` or ``alibi_slopes``
@@ -67,6 +71,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     if reason is not None:
         if planning.fallback_costs_speed(query.dtype):
             warn(f"jax_sdpa.flax: using Flax's attention because {reason}")
+        if isinstance(mask, masks.Mask):  # Flax's attention takes arrays only
+            q_seq, kv_seq, batch = query.shape[-3], key.shape[-3], math.prod(query.shape[:-3])
+            boolean = mask.to_boolean(q_seq, kv_seq, batch)
+            mask = jnp.broadcast_to(boolean, (batch, boolean.shape[1], q_seq, kv_seq)).reshape(
+                (*query.shape[:-3], boolean.shape[1], q_seq, kv_seq))
         if is_causal:
             causal = linen.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)
             mask = causal if mask is None else jnp.logical_and(mask, causal)
@@ -78,11 +87,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     common = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (x.astype(common) for x in (query, key, value))
     batch_shape = query.shape[:-3]
-    if mask is not None:
+    described = isinstance(mask, masks.Mask)  # a jax_sdpa.masks description goes as it is
+    if mask is not None and not described:
         mask = jnp.asarray(mask).astype(jnp.bool_)  # Flax's masks may be float (nonzero = attend)
     dropping = dropout_rate > 0.0 and not deterministic
     return _attention.dot_product_attention(
         query, key, value, bias=_fold_leading(bias, batch_shape),
-        mask=_fold_leading(mask, batch_shape), is_causal=is_causal,
+        mask=mask if described else _fold_leading(mask, batch_shape), is_causal=is_causal,
         dropout_rate=float(dropout_rate) if dropping else 0.0,
         dropout_rng=dropout_rng if dropping else None, **ours)

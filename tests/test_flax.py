@@ -135,6 +135,36 @@ def test_alibi_bound_with_partial():
         bound(q, k, v, module=object())
 
 
+@pytest.mark.parametrize("described", ["window & causal", "global | window"])
+def test_nnx_module_takes_a_mask_description(described):
+    """A jax_sdpa.masks description passed as an nnx module's mask reaches jax_sdpa as it is,
+    and gives what its boolean form gives; Flax's own attention (sowing the weights) takes
+    its boolean form."""
+    masks = jax_sdpa.masks
+    mask = {"window & causal": masks.sliding_window(3) & masks.causal(),
+            "global | window": masks.global_tokens(2) | masks.sliding_window(2, 1)}[described]
+    x = inputs(9)
+    module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                    rngs=nnx.Rngs(5),
+                                    attention_fn=jax_sdpa.flax.dot_product_attention)
+    boolean = mask.to_boolean(T, T)
+    out = module(x, mask=mask)
+    assert relative_error(out, module(x, mask=boolean)) < 1e-6
+    flax_module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                         rngs=nnx.Rngs(5))
+    assert relative_error(out, flax_module(x, mask=boolean)) < 1e-5
+    class Sower:  # what a module asking for the weights offers Flax's attention
+        sown = None
+
+        def sow(self, collection, name, value):
+            self.sown = value
+    sower = Sower()
+    q = jax.random.normal(jax.random.key(2), (B, T, HEADS, FEATURES // HEADS))
+    jax_sdpa.flax.dot_product_attention(q, q, q, mask=mask, module=sower)
+    kept = np.asarray(sower.sown) > 0
+    np.testing.assert_array_equal(kept, np.broadcast_to(np.asarray(boolean), kept.shape))
+
+
 @pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "gpu_patched_in"])
 def test_sow_weights_falls_back_to_flax(gpu, monkeypatch):
     """Sowing the weights runs Flax's attention: silently without a GPU (nothing is lost), with
