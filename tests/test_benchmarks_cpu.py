@@ -257,3 +257,14 @@ def test_first_call_xla_cache_rows_share_one_compilation_cache(monkeypatch):
     assert seen[0] == seen[1]
     assert seen[0]["JAX_COMPILATION_CACHE_DIR"].startswith(seen[0]["JAX_SDPA_GRAPH_CACHE_DIR"])
     assert seen[0]["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+
+
+def test_mask_benchmark_masks_keep_their_stated_share():
+    from benchmarks import masks as mask_benchmark  # noqa: PLC0415
+    seq = 1024
+    described = mask_benchmark.mask_set(seq)
+    for name, mask in described.items():
+        density = mask.density(seq, seq)
+        stated = 0.5 if "50%" in name else 0.25
+        assert abs(density - stated) < (0.02 if "global" not in name else 0.15), (name, density)
+    assert mask_benchmark.window_for(0.0, seq, False) == 0
