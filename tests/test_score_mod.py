@@ -190,3 +190,21 @@ def test_what_cudnn_cannot_express_falls_back_by_name(cudnn_score_mods):
     with pytest.raises(NotImplementedError, match="bitwise `and`"):
         jax_sdpa.dot_product_attention(q, q, q, implementation="cudnn",
                                        score_mod=lambda s, b, h, qi, ki: s + (qi & 1))
+
+
+def test_minus_infinity_from_a_score_mod_masks_like_a_mask():
+    """A row a score_mod sets to -inf throughout follows the masks' empty-row rule (the plain
+    mean of the values, as jax.nn), never NaN; partly, the same as the boolean mask."""
+    q, k, v, d_out = random_qkv(11, 1, 6, 6, 2, 2, 16, jnp.float32)
+
+    def hide(s, b, h, i, j):
+        return jnp.where((i == 0) | (j > i), -jnp.inf, s)
+    keep = (np.arange(6)[:, None] != 0) & (np.arange(6)[None, :] <= np.arange(6)[:, None])
+    ours, vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, score_mod=hide, implementation="xla"), q, k, v)
+    masked, masked_vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, mask=jnp.asarray(keep), implementation="xla"), q, k, v)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(masked), atol=1e-6)
+    for a, b in zip(vjp(d_out), masked_vjp(d_out)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert np.isfinite(np.asarray(ours)).all()

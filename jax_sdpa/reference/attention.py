@@ -166,7 +166,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale, is_ca
         cap = jnp.asarray(logits_soft_cap, compute)
         logits = cap * jnp.tanh(logits / cap)
     if score_mod is not None:
+        # -inf from a score_mod masks as a mask does (a row it empties follows their rule)
         logits = modified_scores(score_mod, logits)
+        logits = jnp.where(logits == -jnp.inf, jnp.asarray(large_negative(), compute), logits)
     if bias is not None:
         logits = logits + bias.astype(compute)
     keep = combined_mask(q_seq_len, kv_seq_len, mask=mask, is_causal=is_causal,
