@@ -69,6 +69,18 @@ def test_program_gives_the_function_and_its_gradient(name):
     np.testing.assert_allclose(got_gradient, expected_gradient, rtol=2e-5, atol=2e-5)
 
 
+def test_minus_infinity_becomes_the_masks_fill_where_asked():
+    """As the reference path does, a -inf score of the forward becomes the masks' fill."""
+    fn = FUNCTIONS["causal by where"]
+    fill = -1e30
+    program = translate(fn, masked_fill=fill)
+    scores = _scores()
+    got = score_mod_interpreter.run(program.forward, scores, np.zeros((B, 0, N), np.float32))
+    expected = np.asarray(modified_scores(fn, jnp.asarray(scores)))
+    np.testing.assert_array_equal(got, np.where(expected == -np.inf, np.float32(fill), expected))
+    assert "c-inf" not in translate(FUNCTIONS["alibi"], masked_fill=fill).forward
+
+
 def test_programs_read_only_live_instructions_and_tables():
     program = translate(FUNCTIONS["alibi"])
     assert program.backward == "=g"  # ALiBi adds to the score: its derivative passes through

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_sdpa.call.spec import CallSpec, Operands, describe
 from jax_sdpa.limits import fp8 as fp8_limits
-from jax_sdpa.reference.attention import alibi
+from jax_sdpa.reference.attention import alibi, large_negative
 from jax_sdpa.score_mod.program import translate
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
@@ -50,7 +50,7 @@ class AttentionCall:
     def score_mod_program(self):
         """The score modifier as cuDNN's pointwise programs (score_mod/program.py); raises
         UnsupportedScoreMod naming what cuDNN cannot express."""
-        return translate(self.score_mod)
+        return translate(self.score_mod, masked_fill=large_negative())
 
     @property
     def diagonal_offset(self) -> int:

@@ -324,9 +324,14 @@ class _Writer:
             return dataclasses.replace(self.trunc(self.virtual(node)), dtype=_INT)
         return dataclasses.replace(node, dtype=dtype)  # int32 to float32: the same float
 
-    def result(self, value) -> list[str]:
-        """The live instructions (those the result reads), renumbered, then the result."""
+    def result(self, value, masked_fill=None) -> list[str]:
+        """The live instructions (those the result reads), renumbered, then the result; with
+        masked_fill, a -inf result becomes that value (a mask's fill: the reference's rule)."""
         node = self.virtual(self.float_of(self.operand(value)))
+        if masked_fill is not None and any("c-inf" in item.split() for item in self.items):
+            finite = self.emit("b", "CMP_NEQ", node.token, "c-inf")
+            node = _Node(self.emit("f", "BINARY_SELECT", node.token,
+                                   _constant_token(masked_fill), finite), _FLOAT)
         live, pending = set(), [node.token]
         while pending:
             token = pending.pop()
@@ -404,9 +409,10 @@ def _trace(fn, derivative: bool):
     return closed
 
 
-def translate(fn) -> ScoreModProgram:
+def translate(fn, masked_fill=None) -> ScoreModProgram:
     """fn's forward and derivative programs and their tables; UnsupportedScoreMod naming what
-    cuDNN cannot express."""
+    cuDNN cannot express. masked_fill: what a -inf score of the forward becomes (the masks'
+    fill, so that rows fn empties follow the masks' rule); None keeps -inf."""
     tables: list[_Fold] = []
     programs = []
     for derivative in (False, True):
@@ -414,7 +420,7 @@ def translate(fn) -> ScoreModProgram:
         writer = _Writer(tables)
         consts = [_fold_constant(c) for c in closed.consts]
         (out,) = writer.run(closed.jaxpr, consts, _inputs(derivative))
-        programs.append(writer.result(out))
+        programs.append(writer.result(out, None if derivative else masked_fill))
     # The tables the live instructions read, renumbered in order of first use.
     used = [token for items in programs for item in items for token in item.split()
             if token.startswith("t")]
