@@ -33,6 +33,8 @@ MODS = {
         jnp.abs(q - k) < 8, TABLE[h], jnp.where(jnp.abs(q - k) < 64, 0.5 * TABLE[h], -1.0))),
     "head table times score": dict(score_mod=lambda s, b, h, q, k: s * (1.0 + 0.25 * TABLE[h])),
     "user causal mask": dict(score_mod=lambda s, b, h, q, k: jnp.where(k <= q, s, -jnp.inf)),
+    # rows 0..3 see no key: the masks' rule (the mean of the values), as the reference
+    "empties rows": dict(score_mod=lambda s, b, h, q, k: jnp.where(q < 4, -jnp.inf, s)),
 }
 
 
