@@ -69,6 +69,20 @@ def interleaved_rounds(fns, inputs_of, rounds):
     return samples
 
 
+def warm_up(fns, inputs) -> dict:
+    """Runs each function once (compile and graph build, kept out of the timed rounds); those
+    that raise leave `fns` and come back as {key: the error's first line}, for a row saying
+    why rather than a lost table."""
+    failed = {}
+    for key, fn in list(fns.items()):
+        try:
+            jax.block_until_ready(fn(inputs))
+        except Exception as error:  # noqa: BLE001 - reported as a row
+            failed[key] = str(error).splitlines()[0][:200]
+            del fns[key]
+    return failed
+
+
 def relative_error(a, b):
     a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_sdpa
-from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions
+from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions, warm_up
 from benchmarks.configs import Config
 from benchmarks.report import write_markdown
 from jax_sdpa import masks
@@ -75,15 +75,8 @@ def bench(seq: int, rounds: int) -> list[dict]:
     densities = {name: mask.density(seq, seq) for name, mask in mask_set(seq).items()}
     fns = {(impl, mode): fn for impl, attention in implementations(seq).items()
            for mode, fn in timed_functions(attention, False).items()}
-    rows = []
-    for key, fn in list(fns.items()):
-        try:
-            jax.block_until_ready(fn(inputs))
-        except Exception as error:  # noqa: BLE001 - a row that says why
-            (name, mask), mode = key
-            rows.append(dict(config=config.name, impl=name, mask=mask, mode=mode,
-                             ms=float("nan"), error=str(error).splitlines()[0][:200]))
-            del fns[key]
+    rows = [dict(config=config.name, impl=name, mask=mask, mode=mode, ms=float("nan"),
+                 error=error) for ((name, mask), mode), error in warm_up(fns, inputs).items()]
     samples = interleaved_rounds(fns, lambda key: inputs, rounds)
     for ((name, mask), mode), times in samples.items():
         rows.append(dict(config=config.name, impl=name, mask=mask, mode=mode,

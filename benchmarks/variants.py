@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_sdpa
-from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions
+from benchmarks.attention import interleaved_rounds, make_inputs, timed_functions, warm_up
 from benchmarks.configs import ANCHOR_CONFIGS
 from benchmarks.report import write_markdown
 
@@ -83,14 +83,8 @@ def bench(config, rounds, variants=soft_cap_variants):
     inputs = make_inputs(config, seed=0)
     fns = {(name, mode): fn for name, attention in variants(config).items()
            for mode, fn in timed_functions(attention, config.causal).items()}
-    rows = []
-    for key, fn in list(fns.items()):
-        try:
-            jax.block_until_ready(fn(inputs))
-        except Exception as error:  # noqa: BLE001 - a row that says why, not a lost table
-            rows.append(dict(config=config.name, impl=key[0], mode=key[1], ms=float("nan"),
-                             error=str(error).splitlines()[0][:200]))
-            del fns[key]
+    rows = [dict(config=config.name, impl=name, mode=mode, ms=float("nan"), error=error)
+            for (name, mode), error in warm_up(fns, inputs).items()]
     samples = interleaved_rounds(fns, lambda key: inputs, rounds)
     for (name, mode), times in samples.items():
         rows.append(dict(config=config.name, impl=name, mode=mode,

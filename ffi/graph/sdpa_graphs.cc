@@ -22,8 +22,8 @@ ffi::Error FrontendError(fe::error_t status, const char* step, const SdpaConfig&
 
 void* Mutable(const void* pointer) { return const_cast<void*>(pointer); }
 
-void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
-               std::unordered_map<int64_t, void*>& pack) {
+void AddInputs(const SdpaConfig& c, const std::vector<bool>& tables_read,
+               const AttentionInputs& in, std::unordered_map<int64_t, void*>& pack) {
   pack[kQ] = Mutable(in.q);
   pack[kK] = Mutable(in.k);
   pack[kV] = Mutable(in.v);
@@ -51,9 +51,8 @@ void AddInputs(const SdpaConfig& c, const AttentionInputs& in,
     pack[kDropoutSeed] = Mutable(in.dropout_seed);
     pack[kDropoutOffset] = static_cast<char*>(Mutable(in.dropout_seed)) + 8;
   }
-  std::vector<bool> read = ScoreModTablesRead(c);  // [batch, tables, heads]: table i's column
-  for (size_t i = 0; i < read.size(); ++i) {
-    if (read[i]) {
+  for (size_t i = 0; i < tables_read.size(); ++i) {  // [batch, tables, heads]: table i's column
+    if (tables_read[i]) {
       pack[kScoreModTables + i] =
           static_cast<float*>(Mutable(in.score_mod_tables)) + i * c.q_heads;
     }
@@ -80,7 +79,10 @@ struct SdpaGraph::Frontend {
 
 SdpaGraph::SdpaGraph(const SdpaConfig& config, std::unique_ptr<Frontend> frontend,
                      int64_t workspace_size)
-    : config_(config), frontend_(std::move(frontend)), workspace_size_(workspace_size) {}
+    : config_(config),
+      frontend_(std::move(frontend)),
+      workspace_size_(workspace_size),
+      score_mod_tables_read_(ScoreModTablesRead(config)) {}
 
 SdpaGraph::~SdpaGraph() = default;
 
@@ -190,7 +192,7 @@ ffi::Error SdpaGraph::Execute(cudnnHandle_t handle, std::unordered_map<int64_t, 
 ffi::Error SdpaGraph::ExecuteForward(cudnnHandle_t handle, const ForwardBuffers& b,
                                      void* workspace) const {
   std::unordered_map<int64_t, void*> pack = {{kO, b.o}, {kStats, b.stats}};
-  AddInputs(config_, b.in, pack);
+  AddInputs(config_, score_mod_tables_read_, b.in, pack);
   AddFp8Buffers(config_, b.fp8, pack);
   return Execute(handle, pack, workspace);
 }
@@ -200,7 +202,7 @@ ffi::Error SdpaGraph::ExecuteBackward(cudnnHandle_t handle, const BackwardBuffer
   std::unordered_map<int64_t, void*> pack = {
       {kO, Mutable(b.o)}, {kDO, Mutable(b.d_o)}, {kStats, Mutable(b.stats)},
       {kDQ, b.dq},        {kDK, b.dk},           {kDV, b.dv}};
-  AddInputs(config_, b.in, pack);
+  AddInputs(config_, score_mod_tables_read_, b.in, pack);
   if (config_.bias_batch > 0 && config_.bias_grad) pack[kDBias] = b.dbias;
   AddFp8Buffers(config_, b.fp8, pack);
   return Execute(handle, pack, workspace);

@@ -114,6 +114,8 @@ class SdpaGraph {
   SdpaConfig config_;
   std::unique_ptr<Frontend> frontend_;
   int64_t workspace_size_ = 0;
+  // Which score_mod tables the graph reads (score_mod.h), found once: executions bind them.
+  std::vector<bool> score_mod_tables_read_;
   // Calls on several streams may share a graph; the frontend's execute is not documented as
   // safe to run concurrently on one graph, so enqueueing is serialised per graph (microseconds).
   mutable std::mutex execute_mutex_;

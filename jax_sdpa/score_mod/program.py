@@ -104,6 +104,10 @@ def _constant_token(value) -> str:
     return "c" + float(value).hex()
 
 
+_ZERO = _Node(_constant_token(0), _FLOAT, virtual=False)
+_ONE = _Node(_constant_token(1), _FLOAT, virtual=False)
+
+
 class _Writer:
     """Writes one program by evaluating a jaxpr over _Fold and _Node values."""
 
@@ -139,20 +143,20 @@ class _Writer:
             self.tables.append(x)
         table = _Node(f"t{index}", x.dtype, virtual=False)
         if x.dtype == _BOOL:  # stored as 0.0 / 1.0
-            return _Node(self.emit("b", "CMP_NEQ", self.virtual(table).token, "c0x0.0p+0"),
+            return _Node(self.emit("b", "CMP_NEQ", self.virtual(table).token, _ZERO.token),
                          _BOOL)
         return table
 
     def bool_constant(self, value: bool) -> _Node:
         # q >= 0 always holds, q < 0 never: a virtual True or False.
-        return _Node(self.emit("b", "CMP_GE" if value else "CMP_LT", "q", "c0x0.0p+0"), _BOOL)
+        return _Node(self.emit("b", "CMP_GE" if value else "CMP_LT", "q", _ZERO.token), _BOOL)
 
     def virtual(self, node: _Node) -> _Node:
         """node as a graph intermediate: a constant or table added to a virtual zero."""
         if node.virtual:
             return node
         if self.zero is None:
-            self.zero = self.emit("f", "MUL", "q", "c0x0.0p+0")
+            self.zero = self.emit("f", "MUL", "q", _ZERO.token)
         return _Node(self.emit("f", "ADD", self.zero, node.token), node.dtype)
 
     def float_of(self, node: _Node) -> _Node:
@@ -162,7 +166,7 @@ class _Writer:
 
     def trunc(self, node: _Node) -> _Node:
         """Rounded toward zero (C's integer conversion and division)."""
-        negative = self.emit("b", "CMP_LT", node.token, "c0x0.0p+0")
+        negative = self.emit("b", "CMP_LT", node.token, _ZERO.token)
         up = self.emit("f", "CEIL", node.token)
         down = self.emit("f", "FLOOR", node.token)
         return _Node(self.emit("f", "BINARY_SELECT", up, down, negative), node.dtype)
@@ -181,10 +185,8 @@ class _Writer:
         return _Node(self.emit("b" if dtype == _BOOL else "f", mode, a.token), dtype)
 
     def sign(self, a: _Node) -> _Node:
-        positive = self.float_of(self.binary("CMP_GT", a, _Node("c0x0.0p+0", _FLOAT, False),
-                                             _BOOL))
-        negative = self.float_of(self.binary("CMP_LT", a, _Node("c0x0.0p+0", _FLOAT, False),
-                                             _BOOL))
+        positive = self.float_of(self.binary("CMP_GT", a, _ZERO, _BOOL))
+        negative = self.float_of(self.binary("CMP_LT", a, _ZERO, _BOOL))
         return _Node(self.emit("f", "SUB", positive.token, negative.token), a.dtype)
 
     # -- evaluating ---------------------------------------------------------------------------
@@ -274,17 +276,14 @@ class _Writer:
                                                     False), dtype, commutative=True)
             return self.unary("EXP", scaled, dtype)
         if name == "log1p":
-            return self.unary("LOG", self.binary("ADD", x[0], _Node(_constant_token(1), _FLOAT,
-                                                                    False), dtype, True), dtype)
+            return self.unary("LOG", self.binary("ADD", x[0], _ONE, dtype, True), dtype)
         if name == "expm1":
-            return self.binary("SUB", self.unary("EXP", x[0], dtype),
-                               _Node(_constant_token(1), _FLOAT, False), dtype)
+            return self.binary("SUB", self.unary("EXP", x[0], dtype), _ONE, dtype)
         if name == "sign":
             return self.sign(x[0])
         if name == "one_minus_square":  # JAX 0.12's tanh derivative: 1 - x^2
             square = self.binary("MUL", x[0], x[0], dtype, commutative=True)
-            return self.binary("ADD", self.unary("NEG", square, dtype),
-                               _Node(_constant_token(1), _FLOAT, False), dtype, True)
+            return self.binary("ADD", self.unary("NEG", square, dtype), _ONE, dtype, True)
         if name in _UNARY:
             return self.unary(_UNARY[name], x[0], dtype)
         if name == "clamp":  # clamp(low, x, high)
@@ -302,8 +301,7 @@ class _Writer:
         if len(cases) != 2:
             raise UnsupportedScoreMod("score_mod selects among more than two cases")
         if predicate.dtype != _BOOL:
-            predicate = self.binary("CMP_NEQ", predicate, _Node("c0x0.0p+0", _FLOAT, False),
-                                    _BOOL)
+            predicate = self.binary("CMP_NEQ", predicate, _ZERO, _BOOL)
         if_false, if_true = cases
         if not if_true.virtual and if_false.virtual:
             predicate = self.unary("LOGICAL_NOT", predicate, _BOOL)
@@ -317,7 +315,7 @@ class _Writer:
         if dtype == node.dtype:
             return node
         if dtype == _BOOL:
-            return self.binary("CMP_NEQ", node, _Node("c0x0.0p+0", _FLOAT, False), _BOOL)
+            return self.binary("CMP_NEQ", node, _ZERO, _BOOL)
         if node.dtype == _BOOL:
             return dataclasses.replace(self.float_of(node), dtype=dtype)
         if dtype == _INT:  # from float32: toward zero
