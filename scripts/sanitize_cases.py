@@ -11,7 +11,6 @@ import numpy as np
 import jax_sdpa
 
 B, T, S, N, K, H = 2, 128, 192, 4, 2, 64
-jax_sdpa.limits.dense.SCORE_MOD_ON_CUDNN = True  # the score-modifier graphs are checked here too
 CASES = {
     "seed-like causal fp16": dict(dtype=jnp.float16, kwargs=dict(is_causal=True)),
     "bias with dbias": dict(bias=(1, N, T, S), kwargs=dict(is_causal=True)),

@@ -7,13 +7,13 @@ import numpy as np
 _UNARY = {"NEG": np.negative, "EXP": np.exp, "LOG": np.log, "TANH_FWD": np.tanh,
           "SIGMOID_FWD": lambda x: 1 / (1 + np.exp(-x)), "ABS": np.abs, "SQRT": np.sqrt,
           "RSQRT": lambda x: 1 / np.sqrt(x), "SIN": np.sin, "COS": np.cos, "TAN": np.tan,
-          "FLOOR": np.floor, "CEIL": np.ceil, "IDENTITY": lambda x: x.astype(np.float32),
-          "LOGICAL_NOT": np.logical_not}
+          "FLOOR": np.floor, "CEIL": np.ceil, "IDENTITY": lambda x: x}
 _BINARY = {"ADD": np.add, "SUB": np.subtract, "MUL": np.multiply, "DIV": np.divide,
            "MAX": np.maximum, "MIN": np.minimum, "POW": np.power, "CMP_EQ": np.equal,
            "CMP_NEQ": np.not_equal, "CMP_LT": np.less, "CMP_LE": np.less_equal,
            "CMP_GT": np.greater, "CMP_GE": np.greater_equal, "LOGICAL_AND": np.logical_and,
            "LOGICAL_OR": np.logical_or}
+_COMPUTE = {"f": np.float32, "i": np.int32, "b": bool}  # an instruction's type letter
 
 
 def run(program: str, score, tables, gradient=None):
@@ -31,6 +31,8 @@ def run(program: str, score, tables, gradient=None):
             return np.asarray(tables)[:, int(token[1:]), :, None, None]
         if token.startswith("c"):
             return np.float32(float.fromhex(token[1:]))
+        if token.startswith("n"):
+            return np.int32(token[1:])
         return named[token]
     *items, result = program.split(";")
     with np.errstate(all="ignore"):
@@ -43,10 +45,11 @@ def run(program: str, score, tables, gradient=None):
                 from scipy.special import erf
                 out = erf(args[0])
             elif mode in _UNARY:
-                out = _UNARY[mode](np.asarray(args[0]))
+                out = _UNARY[mode](np.asarray(args[0], _COMPUTE[out_type]))
+            elif out_type == "b":  # comparisons and logic: on the operands' own types
+                out = _BINARY[mode](*args)
             else:
-                out = _BINARY[mode](*(np.asarray(a, np.float32) if not
-                                      np.asarray(a).dtype == bool else a for a in args))
-            values.append(np.asarray(out, bool if out_type == "b" else np.float32))
+                out = _BINARY[mode](*(np.asarray(a, _COMPUTE[out_type]) for a in args))
+            values.append(np.asarray(out, _COMPUTE[out_type]))
     assert result.startswith("=")
     return np.broadcast_to(value(result[1:]), score.shape).astype(np.float32)

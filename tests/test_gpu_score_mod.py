@@ -17,12 +17,6 @@ from test_gpu import B, H, K, N, S, T, option_kwargs
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture(autouse=True)
-def cudnn_score_mods(monkeypatch):
-    """These tests are what turns cuDNN's score-modifier graphs on (limits/dense.py)."""
-    monkeypatch.setattr(jax_sdpa.limits.dense, "SCORE_MOD_ON_CUDNN", True)
-
 TABLE = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32)
 MODS = {
     "alibi": dict(alibi_slopes=jax_sdpa.alibi_slopes(N)),
@@ -32,6 +26,9 @@ MODS = {
     "relative buckets": dict(score_mod=lambda s, b, h, q, k: s + jnp.where(
         jnp.abs(q - k) < 8, TABLE[h], jnp.where(jnp.abs(q - k) < 64, 0.5 * TABLE[h], -1.0))),
     "head table times score": dict(score_mod=lambda s, b, h, q, k: s * (1.0 + 0.25 * TABLE[h])),
+    # int32 floor division (JAX's floor on top of cuDNN's division), float to int
+    "integer division": dict(score_mod=lambda s, b, h, q, k: s + 0.05 * ((q - k) // 7)),
+    "float to int": dict(score_mod=lambda s, b, h, q, k: s + 0.25 * (s * 1.7).astype(jnp.int32)),
     "user causal mask": dict(score_mod=lambda s, b, h, q, k: jnp.where(k <= q, s, -jnp.inf)),
     # rows 0..3 see no key: the masks' rule (the mean of the values), as the reference
     "empties rows": dict(score_mod=lambda s, b, h, q, k: jnp.where(q < 4, -jnp.inf, s)),
@@ -46,6 +43,8 @@ def check(mod, option="", dtype=jnp.bfloat16, shape=(B, T, S, N, K, H)):
     kwargs = dict(option_kwargs(option, rng) if option else {}, **MODS[mod])
     if mod == "alibi":  # the standard slopes of this shape's heads
         kwargs["alibi_slopes"] = jax_sdpa.alibi_slopes(heads)
+    if mod == "alibi per batch":  # cuDNN takes slopes of the batch at B = 1 only
+        kwargs["alibi_slopes"] = MODS[mod]["alibi_slopes"][:batch, :heads]
     bias = kwargs.pop("bias", None)
 
     def make(implementation, cast):
@@ -63,9 +62,13 @@ def check(mod, option="", dtype=jnp.bfloat16, shape=(B, T, S, N, K, H)):
     assert_close_to_reference(ours, ref, context=f"{mod} {option}")
 
 
-@pytest.mark.parametrize("mod", sorted(MODS))
+@pytest.mark.parametrize("mod", sorted(set(MODS) - {"alibi per batch"}))
 def test_score_mod_on_cudnn(mod):
     check(mod)
+
+
+def test_alibi_per_batch_at_batch_one():
+    check("alibi per batch", shape=(1, T, S, N, K, H))
 
 
 @pytest.mark.parametrize("option", ["causal", "causalBR", "window32_0+causal", "window16_8",

@@ -143,18 +143,8 @@ def test_bad_arguments_are_named():
 
 @pytest.fixture
 def cudnn_score_mods(monkeypatch):
-    """cuDNN's score-modifier graphs on (limits/dense.py), and a GPU as if there."""
-    monkeypatch.setattr(jax_sdpa.limits.dense, "SCORE_MOD_ON_CUDNN", True)
+    """A GPU as if there."""
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
-
-
-def test_cudnn_is_refused_naming_why(monkeypatch):
-    """Until cuDNN's score-modifier graphs pass on a GPU: implementation='cudnn' says so."""
-    monkeypatch.setattr(device, "device_reason", lambda: None)
-    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="not yet verified on a GPU"):
-        jax_sdpa.dot_product_attention(q, q, q, alibi_slopes=jax_sdpa.alibi_slopes(2),
-                                       implementation="cudnn")
 
 
 def _lowered_grad(loss, *args):
@@ -175,6 +165,40 @@ def test_cudnn_calls_take_the_programs_and_their_tables(cudnn_score_mods):
     assert_decoded(text, "backward", "dense")
     assert "score_mod_tables = 1" in text and "tensor<2x1x4xf32>" in text
     assert 'score_mod_bprop = "=g"' in text  # ALiBi's derivative passes the gradient through
+
+
+def test_cudnn_takes_per_batch_slopes_only_at_batch_one(cudnn_score_mods):
+    """cuDNN's modifier tensors cannot vary by batch (ffi/graph/score_mod.h): [B, N] slopes
+    are refused by name at B > 1, lowered at B = 1."""
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="vary with the batch"):
+        jax_sdpa.dot_product_attention(q, q, q, alibi_slopes=jnp.ones((2, 4), jnp.float32),
+                                       implementation="cudnn")
+    text = _lowered_grad(lambda q: jax_sdpa.dot_product_attention(
+        q, q, q, alibi_slopes=jnp.ones((1, 4), jnp.float32),
+        implementation="cudnn").astype(jnp.float32).sum(), q[:1])
+    assert "score_mod_tables = 1" in text
+
+
+def test_long_programs_stay_off_cudnn_by_name(cudnn_score_mods):
+    """A program longer than limits/dense.MAX_SCORE_MOD_INSTRUCTIONS (longer ones crashed
+    cuDNN 9.19) is refused by name; the reference path runs it."""
+    q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+    mod = lambda s, b, h, i, j: s + 0.05 * ((i - j) // 7 + (i * 3 - j) % 5)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="pointwise nodes"):
+        jax_sdpa.dot_product_attention(q, q, q, score_mod=mod, implementation="cudnn")
+    assert np.isfinite(np.asarray(jax_sdpa.dot_product_attention(
+        q, q, q, score_mod=mod, implementation="xla"), np.float32)).all()
+
+
+def test_float_comparisons_stay_off_cudnn_by_name(cudnn_score_mods):
+    """cuDNN's score-modifier kernels find no engine for a comparison of float32 values
+    (measured on 9.19): refused by name, as are functions whose derivative compares."""
+    q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+    for mod in (lambda s, b, h, i, j: jnp.where(s > 0, s, 0.5 * s),
+                lambda s, b, h, i, j: jax.nn.relu(s)):
+        with pytest.raises(NotImplementedError, match="compares float32 values"):
+            jax_sdpa.dot_product_attention(q, q, q, score_mod=mod, implementation="cudnn")
 
 
 def test_cudnn_refuses_to_differentiate_closed_over_arrays(cudnn_score_mods):

@@ -36,15 +36,14 @@ FUNCTIONS = {
     "per-head table": lambda s, b, h, q, k: s * HEAD_TABLE[h] + b,
     "integer arithmetic": lambda s, b, h, q, k: s + (q - k) // 3 + (q * 7 - k) % 4,
     "float to int": lambda s, b, h, q, k: s + (s * 1.7).astype(jnp.int32),
-    "clip relu sigmoid": lambda s, b, h, q, k: (jnp.clip(s, -1, 1) + jax.nn.relu(s) +
-                                                jax.nn.sigmoid(s)),
-    "exp log pow": lambda s, b, h, q, k: (jnp.log1p(jnp.exp(s)) + jnp.abs(s) ** 1.5 +
+    "sigmoid": lambda s, b, h, q, k: jax.nn.sigmoid(s) * s + jnp.clip(q - k, -3, 3),
+    "exp log pow": lambda s, b, h, q, k: (jnp.log1p(jnp.exp(s)) + (s * s + 1) ** 1.5 +
                                           s ** 3 - jnp.expm1(s / 4) + jnp.exp2(s / 8)),
     "logic": lambda s, b, h, q, k: jnp.where(((q > 2) & (k < 6)) | ~(q == k), s, s / 2),
     "head-dependent mask": lambda s, b, h, q, k: jnp.where(k <= q + h, s, -jnp.inf),
     "constant": lambda s, b, h, q, k: jnp.float32(0.5) + 0 * q,
     "sqrt rsqrt": lambda s, b, h, q, k: jnp.sqrt(s * s + 1) + jax.lax.rsqrt(s * s + 2),
-    "sign": lambda s, b, h, q, k: jnp.sign(s) * s + jnp.sign(q - k),
+    "sign": lambda s, b, h, q, k: s * jnp.sign(q - k) + jnp.abs(q - 2 * k),
 }
 
 
@@ -102,6 +101,10 @@ def test_tables_follow_closed_over_arrays_under_jit_and_grad():
     (lambda s, b, h, q, k: s.astype(jnp.bfloat16), "bfloat16"),
     (lambda s, b, h, q, k: s + jnp.zeros(4), "not elementwise"),
     (lambda s, b, h, q, k: s + jnp.arctan2(s, 2.0), "`atan2`"),
+    (lambda s, b, h, q, k: jnp.where(s > 0, s, 0.1 * s), "compares float32 values"),
+    (lambda s, b, h, q, k: jax.nn.relu(s), "compares float32 values"),  # its derivative
+    (lambda s, b, h, q, k: jnp.sign(s) * 2.0, "compares float32 values"),
+    (lambda s, b, h, q, k: s * 0.5 + (s * 3).astype(bool), "compares float32 values"),
 ])
 def test_what_cudnn_cannot_express_is_named(fn, words):
     with pytest.raises(UnsupportedScoreMod, match=words.replace("`", ".")):

@@ -181,7 +181,7 @@ struct Modifiers {
 
 Modifiers AddModifiers(fe::graph::Graph& graph, const SdpaConfig& c) {
   return {AddSoftCap(graph, c),
-          AddScoreModTables(graph, c.batch, c.q_heads, ScoreModTablesRead(c), kScoreModTables),
+          AddScoreModTables(graph, c.q_heads, ScoreModTablesRead(c), kScoreModTables),
           std::make_shared<TensorPtr>()};
 }
 

@@ -44,7 +44,6 @@ fe::PointwiseMode_t ModeNamed(const std::string& name) {
       {"CMP_GE", fe::PointwiseMode_t::CMP_GE},
       {"LOGICAL_AND", fe::PointwiseMode_t::LOGICAL_AND},
       {"LOGICAL_OR", fe::PointwiseMode_t::LOGICAL_OR},
-      {"LOGICAL_NOT", fe::PointwiseMode_t::LOGICAL_NOT},
       {"BINARY_SELECT", fe::PointwiseMode_t::BINARY_SELECT},
   };
   auto found = kModes.find(name);
@@ -78,21 +77,51 @@ class ProgramWriter {
   }
 
  private:
+  // An instruction computes in its type and gives it, as XLA's score-modifier lowering does:
+  // f FLOAT, i INT32, b BOOLEAN; cuDNN's logical AND and OR read INT32, so boolean operands
+  // are converted first.
   ScoreTensor Instruction(const std::string& item, size_t index) {
     std::vector<std::string> tokens = Split(item, ' ');
-    if (tokens.size() < 3 || (tokens[0] != "f" && tokens[0] != "b")) {
+    if (tokens.size() < 3 || tokens[0].size() != 1) {
       throw std::invalid_argument("malformed score_mod instruction: " + item);
     }
-    const bool boolean = tokens[0] == "b";
+    const fe::DataType_t type = TypeNamed(tokens[0][0], item);
     const fe::PointwiseMode_t mode = ModeNamed(tokens[1]);
-    const bool logical = tokens[1].rfind("CMP_", 0) == 0 || tokens[1].rfind("LOGICAL_", 0) == 0;
-    auto attributes = fe::graph::Pointwise_attributes()
-                          .set_name("score_mod_" + std::to_string(index))
-                          .set_mode(mode)
-                          .set_compute_data_type(logical ? fe::DataType_t::BOOLEAN
-                                                         : fe::DataType_t::FLOAT);
+    const std::string name = "score_mod_" + std::to_string(index);
+    const bool logical = mode == fe::PointwiseMode_t::LOGICAL_AND ||
+                         mode == fe::PointwiseMode_t::LOGICAL_OR;
     std::vector<ScoreTensor> in;
-    for (size_t i = 2; i < tokens.size(); ++i) in.push_back(Operand(tokens[i]));
+    for (size_t i = 2; i < tokens.size(); ++i) {
+      ScoreTensor operand = Operand(tokens[i]);
+      if (logical && operand->get_data_type() == fe::DataType_t::BOOLEAN) {
+        operand = Node(name + "_int" + std::to_string(i), fe::PointwiseMode_t::IDENTITY,
+                       fe::DataType_t::INT32, {operand});
+      }
+      in.push_back(operand);
+    }
+    ScoreTensor out = Node(name, mode, logical ? fe::DataType_t::INT32 : type, in);
+    out->set_data_type(type);
+    return out;
+  }
+
+  static fe::DataType_t TypeNamed(char letter, const std::string& item) {
+    switch (letter) {
+      case 'f':
+        return fe::DataType_t::FLOAT;
+      case 'i':
+        return fe::DataType_t::INT32;
+      case 'b':
+        return fe::DataType_t::BOOLEAN;
+      default:
+        throw std::invalid_argument("a score_mod instruction's type is f, i or b: " + item);
+    }
+  }
+
+  // A pointwise node computing in compute_type; its output typed the same.
+  ScoreTensor Node(const std::string& name, fe::PointwiseMode_t mode,
+                   fe::DataType_t compute_type, const std::vector<ScoreTensor>& in) {
+    auto attributes = fe::graph::Pointwise_attributes().set_name(name).set_mode(mode)
+                          .set_compute_data_type(compute_type);
     ScoreTensor out;
     if (in.size() == 1) {
       out = graph_->pointwise(in[0], attributes);
@@ -101,9 +130,9 @@ class ProgramWriter {
     } else if (in.size() == 3) {
       out = graph_->pointwise(in[0], in[1], in[2], attributes);
     } else {
-      throw std::invalid_argument("a score_mod instruction takes 1 to 3 operands: " + item);
+      throw std::invalid_argument("a score_mod instruction takes 1 to 3 operands: " + name);
     }
-    out->set_data_type(boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    out->set_data_type(compute_type);
     return out;
   }
 
@@ -135,14 +164,16 @@ class ProgramWriter {
         float value = std::strtof(token.c_str() + 1, nullptr);
         return std::make_shared<fe::graph::Tensor_attributes>(value);
       }
+      case 'n':
+        return std::make_shared<fe::graph::Tensor_attributes>(
+            static_cast<int32_t>(std::stol(token.substr(1))));
       default:
         throw std::invalid_argument("unknown score_mod operand " + token);
     }
   }
 
-  // The query's (axis 2) or key's (axis 3) position, generated once per program, as float32
-  // (programs carry integers as floats), as cuDNN's own sliding window generates the indices
-  // its float arithmetic reads.
+  // The query's (axis 2) or key's (axis 3) position, generated once per program: int32, the
+  // only type cuDNN's kernels generate positions in (its own masks and ALiBi do so too).
   ScoreTensor Index(int64_t axis, ScoreTensor& cached) {
     if (!cached) {
       ScoreTensor anchor = inputs_.gradient ? inputs_.gradient : inputs_.score;
@@ -150,8 +181,8 @@ class ProgramWriter {
                                              .set_name(axis == 2 ? "score_mod_q" : "score_mod_k")
                                              .set_mode(fe::PointwiseMode_t::GEN_INDEX)
                                              .set_axis(axis)
-                                             .set_compute_data_type(fe::DataType_t::FLOAT));
-      cached->set_data_type(fe::DataType_t::FLOAT);
+                                             .set_compute_data_type(fe::DataType_t::INT32));
+      cached->set_data_type(fe::DataType_t::INT32);
     }
     return cached;
   }
@@ -185,9 +216,8 @@ std::vector<bool> ScoreModTablesRead(const SdpaConfig& c) {
   return read;
 }
 
-std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t batch,
-                                           int64_t q_heads, const std::vector<bool>& read,
-                                           int64_t first_uid) {
+std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t q_heads,
+                                           const std::vector<bool>& read, int64_t first_uid) {
   const int64_t count = static_cast<int64_t>(read.size());
   std::vector<ScoreTensor> tables(read.size());
   for (int64_t i = 0; i < count; ++i) {
@@ -195,7 +225,7 @@ std::vector<ScoreTensor> AddScoreModTables(fe::graph::Graph& graph, int64_t batc
     tables[i] = graph.tensor(fe::graph::Tensor_attributes()
                                  .set_name("score_mod_table_" + std::to_string(i))
                                  .set_uid(first_uid + i)
-                                 .set_dim({batch, q_heads, 1, 1})
+                                 .set_dim({1, q_heads, 1, 1})
                                  .set_stride({count * q_heads, 1, 1, 1})
                                  .set_data_type(fe::DataType_t::FLOAT));
   }

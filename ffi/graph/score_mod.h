@@ -16,7 +16,7 @@ namespace jax_sdpa {
 using ScoreTensor = std::shared_ptr<cudnn_frontend::graph::Tensor_attributes>;
 
 // What a program reads: the score (s), the incoming gradient (g, a derivative's only) and
-// its tables (t0, t1, ...: [batch, q_heads, 1, 1] each).
+// its tables (t0, t1, ...: [1, q_heads, 1, 1] each).
 struct ScoreModInputs {
   ScoreTensor score;
   ScoreTensor gradient;
@@ -32,9 +32,10 @@ ScoreTensor ApplyScoreMod(const std::shared_ptr<cudnn_frontend::graph::Graph>& g
 std::vector<bool> ScoreModTablesRead(const SdpaConfig& c);
 
 // The tables' tensors: float32 [batch, count, q_heads] in memory, table i at uid first_uid + i
-// viewed as [batch, q_heads, 1, 1]; null where `read` says the graph does not read it.
-std::vector<ScoreTensor> AddScoreModTables(cudnn_frontend::graph::Graph& graph, int64_t batch,
-                                           int64_t q_heads, const std::vector<bool>& read,
-                                           int64_t first_uid);
+// viewed as [1, q_heads, 1, 1] (the first batch row, broadcast: cuDNN's kernels read a
+// modifier's tensor wrongly when it varies by batch, so the rows must be equal; Python refuses
+// tables that vary by batch); null where `read` says the graph does not read it.
+std::vector<ScoreTensor> AddScoreModTables(cudnn_frontend::graph::Graph& graph, int64_t q_heads,
+                                           const std::vector<bool>& read, int64_t first_uid);
 
 }  // namespace jax_sdpa

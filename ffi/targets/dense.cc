@@ -26,11 +26,11 @@ ffi::Error CompleteDense(const AttentionShape& shape, const Attributes& attribut
   if (c.dropout > 0) JAX_SDPA_RETURN_IF_ERROR(CheckDropoutSeed(in, shape.vmapped));
   JAX_SDPA_RETURN_IF_ERROR(CheckScoreModTables(in, c, rows));
   // The graph runs once per vmapped slice when a slice's operands cannot be folded into one
-  // batch: a bias shared by the slice's batch (no single batch stride says that), or a dropout
-  // seed per slice.
+  // batch: a bias shared by the slice's batch (no single batch stride says that), a dropout
+  // seed per slice, or score_mod tables (cuDNN reads a batch's first row: score_mod.h).
   const size_t rank = shape.rank;
   bool shared_bias = in.bias && in.bias->dimensions()[rank - 4] == 1 && shape.batch > 1;
-  bool per_slice = shape.vmapped > 1 && (shared_bias || c.dropout > 0);
+  bool per_slice = shape.vmapped > 1 && (shared_bias || c.dropout > 0 || c.score_mod_tables > 0);
   plan.repeats = per_slice ? shape.vmapped : 1;
   c.batch = per_slice ? shape.batch : rows;
   if (in.bias) {

@@ -72,6 +72,8 @@ def _average_rows_seeing_nothing(call: AttentionCall, config: CallSpec, mask, ou
         empty = empty_rows.band_rows(q_seq_len, kv_seq_len, config, kv_lengths)
     else:
         empty = empty_rows.masked_rows(q_seq_len, kv_seq_len, config, mask, kv_lengths)
+    if config.score_mod:  # rows the score_mod emptied: the kernel's lse alone tells which
+        empty = empty | empty_rows.filled_rows(lse)
     return empty_rows.average_dense_rows(output, lse, empty, call.value,
                                          call.query_seq_lengths, kv_lengths)
 

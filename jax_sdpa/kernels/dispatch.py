@@ -34,9 +34,9 @@ def forward(spec, inputs):
         output, lse = ragged.forward(spec, plain)
     else:
         output, lse = dense.forward(plain, spec)
-    if spec.logits_soft_cap and spec.has_lengths:
-        # With soft-capping, cuDNN's padding is a mask inside the score modifier, not its own
-        # padding mode: rows whose every score is masked come back non-finite.
+    if (spec.logits_soft_cap or spec.score_mod) and spec.has_lengths:
+        # With a score modifier, cuDNN's padding is a mask inside it, not its own padding
+        # mode: rows whose every score is masked come back non-finite.
         output, lse = empty_rows.clear_nonfinite_rows(output, lse)
     if spec.has_sinks:
         output, lse = sink_softmax.apply(output, lse, inputs["sinks"])

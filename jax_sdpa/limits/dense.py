@@ -14,10 +14,10 @@ MAX_HEAD_DIM = 256
 MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
 MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_SCORE_MOD_TABLES = 32  # a score modifier's tables (ffi/graph/sdpa_config.h)
-# cuDNN's graphs for score_mod and alibi_slopes (jax_sdpa/score_mod/, ffi/graph/score_mod.cc)
-# run only once tests/test_gpu_score_mod.py passes on a GPU (those tests, and the CPU tests of
-# the lowering, turn this on for themselves).
-SCORE_MOD_ON_CUDNN = False
+# A score modifier's pointwise nodes per program. Measured on cuDNN 9.19 (H100): programs of 21
+# nodes run right; one of 38 (an integer floor division plus a floor remainder) killed the
+# process inside cuDNN. Longer ones stay on the reference path.
+MAX_SCORE_MOD_INSTRUCTIONS = 24
 
 
 def kernel_reason(dtype, head_dims) -> str | None:
@@ -35,9 +35,6 @@ def score_mod_reason(call) -> str | None:
     it has none, else why not."""
     if call.score_mod is None:
         return None
-    if not SCORE_MOD_ON_CUDNN:
-        return ("score_mod and alibi_slopes run on the XLA reference path: their cuDNN graphs "
-                "are not yet verified on a GPU")
     if call.spec.fp8:
         return "score_mod and alibi_slopes do not run on cuDNN's FP8 graphs"
     if device.device_reason() is None and extension.cudnn_version() < MIN_SOFT_CAP_CUDNN_VERSION:
@@ -47,6 +44,14 @@ def score_mod_reason(call) -> str | None:
         program = call.score_mod_program
     except UnsupportedScoreMod as error:
         return str(error)
+    if program.by_batch and call.query.shape[0] > 1:
+        return ("score_mod reads values that vary with the batch (alibi_slopes [B, N] or an "
+                "array indexed by batch): cuDNN's score-modifier graphs read values of the head "
+                "alone")
+    if program.instructions > MAX_SCORE_MOD_INSTRUCTIONS:
+        return (f"score_mod becomes {program.instructions} pointwise nodes; cuDNN's "
+                f"score-modifier kernels are run here up to {MAX_SCORE_MOD_INSTRUCTIONS} (longer "
+                f"ones were measured to crash cuDNN 9.19)")
     if program.table_count > MAX_SCORE_MOD_TABLES:
         return (f"score_mod reads {program.table_count} values of the batch and head; cuDNN's "
                 f"graph takes at most {MAX_SCORE_MOD_TABLES}")

@@ -81,11 +81,20 @@ def masked_rows(q_seq_len, kv_seq_len, spec, mask, kv_lengths):
     return ~jnp.any(keep, axis=-1)
 
 
+def filled_rows(lse):
+    """bool [B, N, T]: rows whose log-sum-exp is the fill's, every score of theirs the large
+    negative fill (as a score_mod's -inf becomes): the kernel's own account of such rows, where
+    no mask says which they are."""
+    return ~(lse > large_negative() / 2)
+
+
 def dense_rows_may_see_nothing(spec, mask) -> bool:
     """Whether some query row of a dense cuDNN call may see no key. A causal or windowed row
     always sees its diagonal key when cuDNN runs it (T <= S for windows, or padding mode),
-    unless key lengths cut that key off; masks (and dense segment ids) can hide anything."""
-    return mask is not None or (spec.window_left >= 0 and spec.has_lengths)
+    unless key lengths cut that key off; masks (and dense segment ids) and score_mods can hide
+    anything."""
+    return mask is not None or bool(spec.score_mod) or (spec.window_left >= 0 and
+                                                        spec.has_lengths)
 
 
 def packed_rows_may_see_nothing(spec) -> bool:

@@ -4,17 +4,21 @@ respect to the score (JAX's own vjp of the same function) as a second one.
 
 Values that depend only on the batch and head (a closed-over per-head table indexed by head, a
 slope times a constant) are computed here, in JAX, as *tables*: float32 [B, P, N], one column
-of N heads per table and batch row, which cuDNN reads as [B, N, 1, 1] tensors. Everything that
+of N heads per table and batch row, which cuDNN reads as [1, N, 1, 1] tensors (its kernels
+read a modifier's tensor wrongly where it varies by batch: such tables stay off cuDNN). Everything that
 depends on the score or the query and key positions becomes pointwise nodes. A program is text
 that ffi/graph/score_mod.cc reads, one instruction per ';'-separated item:
 
-    <type> <MODE> <operand>...     type f (float32) or b (bool); MODE a cuDNN PointwiseMode_t
+    <type> <MODE> <operand>...     type f (float32), i (int32) or b (bool): what it computes
+                                   in and gives; MODE a cuDNN PointwiseMode_t
     =<operand>                     the result (the last item)
 
 Operands: s (the score; in the derivative, the forward's score), g (the derivative's incoming
-gradient), q and k (the query's and key's position, cuDNN's GEN_INDEX), %n (the n-th
-instruction's value), t<n> (table n), c<float> (a constant, float.hex). Integers are carried as
-float32 (exact below 2^24, far beyond any position) and bools as cuDNN booleans.
+gradient), q and k (the query's and key's int32 position, cuDNN's GEN_INDEX), %n (the n-th
+instruction's value), t<n> (table n, float32), c<float> (a float32 constant, float.hex), n<int>
+(an int32 constant). Types follow the jaxpr's, as XLA's own score-modifier lowering does: cuDNN
+generates positions only as int32 and computes on them in int32; IDENTITY converts. Its kernels
+compare int32 values only: a comparison of float32 values is refused (UnsupportedScoreMod).
 
 cuDNN's pointwise nodes need one input that is a graph intermediate ("virtual"): constants and
 tables are not, so an operation whose first operand is one gets it copied into the graph first
@@ -46,9 +50,17 @@ class ScoreModProgram:
     forward: str
     backward: str
     table_count: int
+    # whether some table differs between batch rows (cuDNN reads one row for every batch:
+    # ffi/graph/score_mod.h)
+    by_batch: bool
     # (batch, heads) -> float32 [batch, table_count, heads], computed in JAX (differentiable
     # in the closed-over arrays it reads)
     tables: Callable = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def instructions(self) -> int:
+        """The longer program's count of pointwise nodes."""
+        return max(program.count(";") for program in (self.forward, self.backward))
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +93,8 @@ _UNARY = {"neg": "NEG", "exp": "EXP", "log": "LOG", "tanh": "TANH_FWD",
 _COMMUTATIVE = {"add": "ADD", "add_any": "ADD", "mul": "MUL", "max": "MAX", "min": "MIN"}
 _COMPARISONS = {"eq": "CMP_EQ", "ne": "CMP_NEQ", "lt": "CMP_LT", "le": "CMP_LE",
                 "gt": "CMP_GT", "ge": "CMP_GE"}
+_OPPOSITE = {"CMP_EQ": "CMP_NEQ", "CMP_NEQ": "CMP_EQ", "CMP_LT": "CMP_GE", "CMP_GE": "CMP_LT",
+             "CMP_LE": "CMP_GT", "CMP_GT": "CMP_LE"}
 _MIRRORED = {"CMP_EQ": "CMP_EQ", "CMP_NEQ": "CMP_NEQ", "CMP_LT": "CMP_GT", "CMP_GT": "CMP_LT",
              "CMP_LE": "CMP_GE", "CMP_GE": "CMP_LE"}
 _SHAPE_ONLY = {"broadcast_in_dim", "reshape", "squeeze", "copy", "copy_p", "expand_dims"}
@@ -100,12 +114,18 @@ def _kind(dtype) -> np.dtype:
                               f"float32, int32 and bool only")
 
 
-def _constant_token(value) -> str:
-    return "c" + float(value).hex()
+def _constant_token(value, dtype=_FLOAT) -> str:
+    return f"n{int(value)}" if dtype == _INT else "c" + float(value).hex()
+
+
+def _type(dtype) -> str:
+    """An instruction's type letter for a JAX dtype."""
+    return {_BOOL: "b", _INT: "i"}.get(np.dtype(dtype), "f")
 
 
 _ZERO = _Node(_constant_token(0), _FLOAT, virtual=False)
 _ONE = _Node(_constant_token(1), _FLOAT, virtual=False)
+_INT_ZERO = _Node(_constant_token(0, _INT), _INT, virtual=False)
 
 
 class _Writer:
@@ -114,11 +134,14 @@ class _Writer:
     def __init__(self, tables: list):
         self.items: list[str] = []
         self.tables = tables  # shared by the forward and the derivative
-        self.zero = None
+        self.zeros = {}  # a virtual zero per type
 
     # -- emitting -----------------------------------------------------------------------------
     def emit(self, out_type: str, mode: str, *operands: str) -> str:
-        self.items.append(" ".join((out_type, mode, *operands)))
+        item = " ".join((out_type, mode, *operands))
+        if item in self.items:  # instructions are pure: one node per distinct computation
+            return f"%{self.items.index(item)}"
+        self.items.append(item)
         return f"%{len(self.items) - 1}"
 
     def operand(self, x) -> _Node:
@@ -136,58 +159,87 @@ class _Writer:
                         f"index closed-over arrays by batch or head")
                 if x.dtype == _BOOL:
                     return self.bool_constant(bool(value))
-                return _Node(_constant_token(value), x.dtype, virtual=False)
+                return _Node(_constant_token(value, x.dtype), x.dtype, virtual=False)
         index = next((i for i, t in enumerate(self.tables) if t is x), None)
         if index is None:
             index = len(self.tables)
             self.tables.append(x)
-        table = _Node(f"t{index}", x.dtype, virtual=False)
-        if x.dtype == _BOOL:  # stored as 0.0 / 1.0
-            return _Node(self.emit("b", "CMP_NEQ", self.virtual(table).token, _ZERO.token),
-                         _BOOL)
-        return table
+        table = _Node(f"t{index}", _FLOAT, virtual=False)  # stored as float32
+        if x.dtype == _FLOAT:
+            return table
+        as_int = self.cast(table, _INT)
+        if x.dtype == _BOOL:  # 0.0 / 1.0
+            return self.compare("CMP_NEQ", as_int, _INT_ZERO)
+        return as_int
 
     def bool_constant(self, value: bool) -> _Node:
         # q >= 0 always holds, q < 0 never: a virtual True or False.
-        return _Node(self.emit("b", "CMP_GE" if value else "CMP_LT", "q", _ZERO.token), _BOOL)
+        return _Node(self.emit("b", "CMP_GE" if value else "CMP_LT", "q", _INT_ZERO.token),
+                     _BOOL)
 
     def virtual(self, node: _Node) -> _Node:
         """node as a graph intermediate: a constant or table added to a virtual zero."""
         if node.virtual:
             return node
-        if self.zero is None:
-            self.zero = self.emit("f", "MUL", "q", _ZERO.token)
-        return _Node(self.emit("f", "ADD", self.zero, node.token), node.dtype)
+        kind = _type(node.dtype)
+        if kind not in self.zeros:  # q times zero, in the node's type
+            zero = _INT_ZERO if node.dtype == _INT else _ZERO
+            self.zeros[kind] = self.emit(kind, "MUL", "q", zero.token)
+        return _Node(self.emit(kind, "ADD", self.zeros[kind], node.token), node.dtype)
+
+    def cast(self, node: _Node, dtype) -> _Node:
+        """node converted by cuDNN's IDENTITY (exact from int32 or bool)."""
+        if node.dtype == dtype:
+            return node
+        return _Node(self.emit(_type(dtype), "IDENTITY", self.virtual(node).token), dtype)
 
     def float_of(self, node: _Node) -> _Node:
-        if node.dtype == _BOOL:
-            return _Node(self.emit("f", "IDENTITY", node.token), _FLOAT)
-        return node
+        return self.cast(node, _FLOAT)
 
-    def trunc(self, node: _Node) -> _Node:
-        """Rounded toward zero (C's integer conversion and division)."""
-        negative = self.emit("b", "CMP_LT", node.token, _ZERO.token)
-        up = self.emit("f", "CEIL", node.token)
-        down = self.emit("f", "FLOOR", node.token)
-        return _Node(self.emit("f", "BINARY_SELECT", up, down, negative), node.dtype)
+    def compare(self, mode: str, a: _Node, b: _Node) -> _Node:
+        # Measured on cuDNN 9.19 (H100): a comparison of float32 values finds no engine.
+        if _FLOAT in (a.dtype, b.dtype):
+            raise UnsupportedScoreMod(
+                "score_mod compares float32 values (a comparison, sign, or a conversion to "
+                "bool); cuDNN's score-modifier kernels compare int32 values only")
+        if not a.virtual:
+            a, b, mode = b, a, _MIRRORED[mode]
+        return _Node(self.emit("b", mode, a.token, b.token), _BOOL)
+
+    def negate(self, predicate: _Node) -> _Node:
+        """not predicate: the opposite comparison where it is one, else predicate == 0."""
+        token = predicate.token
+        item = self.items[int(token[1:])].split() if token.startswith("%") else []
+        if item and item[1] in _OPPOSITE:
+            return _Node(self.emit("b", _OPPOSITE[item[1]], *item[2:]), _BOOL)
+        return self.compare("CMP_EQ", self.cast(predicate, _INT), _INT_ZERO)
 
     def binary(self, mode: str, a: _Node, b: _Node, dtype, commutative=False) -> _Node:
+        if commutative and not a.virtual and b.virtual:
+            a, b = b, a
+        identity = {"ADD": 0, "SUB": 0, "MUL": 1, "DIV": 1}.get(mode)
+        if (identity is not None and a.virtual and _type(a.dtype) == _type(dtype) and
+                b.token in (_constant_token(identity), _constant_token(identity, _INT))):
+            return dataclasses.replace(a, dtype=dtype)  # x + 0, x * 1: x itself
         if not a.virtual:
             if commutative and b.virtual:
                 a, b = b, a
             else:
                 a = self.virtual(a)
-        out_type = "b" if dtype == _BOOL else "f"
-        return _Node(self.emit(out_type, mode, a.token, b.token), dtype)
+        return _Node(self.emit(_type(dtype), mode, a.token, b.token), dtype)
 
     def unary(self, mode: str, a: _Node, dtype) -> _Node:
         a = self.virtual(a)
-        return _Node(self.emit("b" if dtype == _BOOL else "f", mode, a.token), dtype)
+        return _Node(self.emit(_type(dtype), mode, a.token), dtype)
+
+    @staticmethod
+    def zero_like(a: _Node) -> _Node:
+        return _INT_ZERO if a.dtype == _INT else _ZERO
 
     def sign(self, a: _Node) -> _Node:
-        positive = self.float_of(self.binary("CMP_GT", a, _ZERO, _BOOL))
-        negative = self.float_of(self.binary("CMP_LT", a, _ZERO, _BOOL))
-        return _Node(self.emit("f", "SUB", positive.token, negative.token), a.dtype)
+        positive = self.cast(self.compare("CMP_GT", a, self.zero_like(a)), a.dtype)
+        negative = self.cast(self.compare("CMP_LT", a, self.zero_like(a)), a.dtype)
+        return self.binary("SUB", positive, negative, a.dtype)
 
     # -- evaluating ---------------------------------------------------------------------------
     def run(self, jaxpr, consts, args):
@@ -239,23 +291,20 @@ class _Writer:
                 raise UnsupportedScoreMod(f"score_mod uses bitwise `{name}` on integers")
             return self.binary("LOGICAL_AND" if name == "and" else "LOGICAL_OR", x[0], x[1],
                                _BOOL, commutative=True)
-        if name == "not":
+        if name == "not":  # XLA's lowering has no LOGICAL_NOT either
             if dtype != _BOOL:
                 raise UnsupportedScoreMod("score_mod uses bitwise `not` on integers")
-            return self.unary("LOGICAL_NOT", x[0], _BOOL)
+            return self.negate(x[0])
         if name in _COMPARISONS:
-            mode = _COMPARISONS[name]
-            a, b = x
-            if not a.virtual:
-                a, b, mode = b, a, _MIRRORED[mode]
-            return _Node(self.emit("b", mode, a.token, b.token), _BOOL)
+            return self.compare(_COMPARISONS[name], *x)
         if name == "sub":
             return self.binary("SUB", x[0], x[1], dtype)
-        if name == "div":
-            quotient = self.binary("DIV", x[0], x[1], dtype)
-            return self.trunc(quotient) if dtype == _INT else quotient
+        if name == "div":  # int32: toward zero, as C (and XLA's lowering, which maps it so)
+            return self.binary("DIV", x[0], x[1], dtype)
         if name == "rem":
-            quotient = self.trunc(self.binary("DIV", x[0], x[1], dtype))
+            quotient = self.binary("DIV", x[0], x[1], dtype)
+            if dtype == _FLOAT:  # toward zero, through int32
+                quotient = self.cast(self.truncate(quotient), _FLOAT)
             product = self.binary("MUL", quotient, x[1], dtype, commutative=True)
             return self.binary("SUB", x[0], product, dtype)
         if name == "pow":
@@ -268,6 +317,8 @@ class _Writer:
                 square = self.binary("MUL", x[0], x[0], dtype, commutative=True)
                 return square if y == 2 else self.binary("MUL", square, x[0], dtype,
                                                          commutative=True)
+            if dtype == _INT:
+                raise UnsupportedScoreMod(f"score_mod raises an integer to the power {y}")
             return self.binary("POW", x[0], _Node(_constant_token(y), _FLOAT, False), dtype)
         if name == "square":
             return self.binary("MUL", x[0], x[0], dtype, commutative=True)
@@ -300,36 +351,48 @@ class _Writer:
         predicate, *cases = x
         if len(cases) != 2:
             raise UnsupportedScoreMod("score_mod selects among more than two cases")
-        if predicate.dtype != _BOOL:
-            predicate = self.binary("CMP_NEQ", predicate, _ZERO, _BOOL)
+        if predicate.dtype != _BOOL:  # select_n's integer case index: 0 or 1
+            predicate = self.compare("CMP_NEQ", predicate, self.zero_like(predicate))
         if_false, if_true = cases
-        if not if_true.virtual and if_false.virtual:
-            predicate = self.unary("LOGICAL_NOT", predicate, _BOOL)
-            if_true, if_false = if_false, if_true
-        if_true = self.virtual(if_true)
-        out_type = "b" if dtype == _BOOL else "f"
-        return _Node(self.emit(out_type, "BINARY_SELECT", if_true.token, if_false.token,
-                               predicate.token), dtype)
+        if dtype != _BOOL and if_false.virtual:
+            if not if_true.virtual:  # its constant or table second, as below
+                return self.pick(if_false, if_true, self.negate(predicate), dtype)
+            # Measured on cuDNN 9.19 (H100): a select of two computed values runs ~9x slower
+            # than one of a computed value and a constant; so each case against zero, added.
+            zero = self.zero_like(if_true)
+            return self.binary("ADD", self.pick(if_true, zero, predicate, dtype),
+                               self.pick(if_false, zero, self.negate(predicate), dtype), dtype)
+        return self.pick(if_true, if_false, predicate, dtype)
+
+    def pick(self, if_true: _Node, if_false: _Node, predicate: _Node, dtype) -> _Node:
+        return _Node(self.emit(_type(dtype), "BINARY_SELECT", self.virtual(if_true).token,
+                               if_false.token, predicate.token), dtype)
 
     def convert(self, node: _Node, dtype) -> _Node:
         if dtype == node.dtype:
             return node
         if dtype == _BOOL:
-            return self.binary("CMP_NEQ", node, _ZERO, _BOOL)
-        if node.dtype == _BOOL:
-            return dataclasses.replace(self.float_of(node), dtype=dtype)
-        if dtype == _INT:  # from float32: toward zero
-            return dataclasses.replace(self.trunc(self.virtual(node)), dtype=_INT)
-        return dataclasses.replace(node, dtype=dtype)  # int32 to float32: the same float
+            return self.compare("CMP_NEQ", node, self.zero_like(node))
+        if dtype == _INT and node.dtype == _FLOAT:
+            return self.truncate(node)
+        return self.cast(node, dtype)
+
+    def truncate(self, x: _Node) -> _Node:
+        """float32 x to int32 toward zero, as JAX converts. cuDNN's IDENTITY to int32 rounds
+        otherwise (measured on 9.19): floor(|x|), exact as an integer, times the sign of x
+        rounded however cuDNN rounds (0 only where |x| < 1, where floor(|x|) is 0 too), so
+        that no float32 value is compared."""
+        magnitude = self.cast(self.unary("FLOOR", self.unary("ABS", x, _FLOAT), _FLOAT), _INT)
+        return self.binary("MUL", magnitude, self.sign(self.cast(x, _INT)), _INT, True)
 
     def result(self, value, masked_fill=None) -> list[str]:
         """The live instructions (those the result reads), renumbered, then the result; with
-        masked_fill, a -inf result becomes that value (a mask's fill: the reference's rule)."""
+        masked_fill, a -inf result becomes that value (a mask's fill: the reference's rule; as a
+        maximum, which no finite score is below)."""
         node = self.virtual(self.float_of(self.operand(value)))
         if masked_fill is not None and any("c-inf" in item.split() for item in self.items):
-            finite = self.emit("b", "CMP_NEQ", node.token, "c-inf")
-            node = _Node(self.emit("f", "BINARY_SELECT", node.token,
-                                   _constant_token(masked_fill), finite), _FLOAT)
+            node = self.binary("MAX", node, _Node(_constant_token(masked_fill), _FLOAT, False),
+                               _FLOAT)
         live, pending = set(), [node.token]
         while pending:
             token = pending.pop()
@@ -436,4 +499,5 @@ def translate(fn, masked_fill=None) -> ScoreModProgram:
         values = jax.vmap(jax.vmap(row, (None, 0)), (0, None))(
             jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32))
         return jnp.transpose(values, (0, 2, 1))  # [B, P, N]
-    return ScoreModProgram(programs[0], programs[1], len(frozen), table_values)
+    return ScoreModProgram(programs[0], programs[1], len(frozen),
+                           any("batch" in table.deps for table in frozen), table_values)
