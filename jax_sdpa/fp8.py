@@ -39,6 +39,8 @@ FP8_PARAMS = AMAXES + BACKWARD_FACTORS
 _MASK_TYPES = {"NO_MASK": (False, False), "CAUSAL": (True, False), "PADDING": (False, True),
                "PADDING_CAUSAL": (True, True)}
 _E4M3 = jnp.float8_e4m3fn
+# JAX's qkv_layout names: whether the heads axis comes before the sequence axis
+_LAYOUTS = {"BTNH": False, "BSNH": False, "BNTH": True, "BNSH": True}
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
@@ -47,10 +49,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None
                           qkv_layout="BTNH", sliding_window_length=None, use_fp8=True,
                           return_residual=False):
     """FP8 attention of query [B, T, N, H], key [B, S, K, H], value [B, S, K, H] (all
-    float8_e4m3fn, BTNH): (output float8_e4m3fn [B, T, N, H], amax_s, amax_o float32 [1, 1, 1,
-    1]). mask_type: JAX's MaskType or its name; q_seqlen and kv_seqlen int32 [B] with the
-    PADDING types. Bias, mask, packed offsets, dropout, sliding windows and the residual are
-    not taken in FP8 (ValueError). seed is unused (no dropout)."""
+    float8_e4m3fn, BTNH; with qkv_layout="BNTH", [B, N, T, H] and so on): (output
+    float8_e4m3fn in the inputs' layout, amax_s, amax_o float32 [1, 1, 1, 1]). mask_type:
+    JAX's MaskType or its name; q_seqlen and kv_seqlen int32 [B] with the PADDING types. Bias,
+    mask, packed offsets, dropout, sliding windows and the residual are not taken in FP8
+    (ValueError). seed is unused (no dropout)."""
     del seed
     causal, padding = _checked_mask_type(mask_type)
     _refuse(bias=bias, mask=mask, q_offsets=q_offsets, kv_offsets=kv_offsets,
@@ -62,15 +65,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None
     if not use_fp8:
         raise ValueError("jax_sdpa.fp8.dot_product_attention is the use_fp8=True path; use "
                          "jax_sdpa.dot_product_attention otherwise")
-    if qkv_layout not in ("BTNH", "BSNH"):
-        raise ValueError(f"qkv_layout must be 'BTNH' (or 'BSNH'), got {qkv_layout!r}")
+    if qkv_layout not in _LAYOUTS:
+        raise ValueError(f"qkv_layout must be one of {sorted(_LAYOUTS)}, got {qkv_layout!r}")
+    heads_first = _LAYOUTS[qkv_layout]
+    if heads_first:  # the kernels' layout is BTNH: transposed copies in, the output back
+        query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
     _check_operands(query, key, value)
     params = _checked_params(fp8_params)
     lengths = _checked_lengths(padding, q_seqlen, kv_seqlen, query.shape[0])
     config = CallSpec(scale=float(scale), window_right=0 if causal else -1,
                           has_lengths=padding, fp8="e4m3",
                           implementation=_implementation(query, value))
-    return _attention(config, query, key, value, lengths, params)
+    out8, amax_s, amax_o = _attention(config, query, key, value, lengths, params)
+    return (jnp.swapaxes(out8, 1, 2) if heads_first else out8), amax_s, amax_o
 
 
 def _checked_mask_type(mask_type):

@@ -153,6 +153,33 @@ def test_framework_convention_matches_float32_and_hands_back_the_amaxes(is_causa
     assert float(jnp.abs(d_params["scale_o"]).max()) == 0  # only the amaxes get cotangents
 
 
+def test_framework_convention_takes_the_heads_first_layout():
+    """qkv_layout="BNTH" ([B, N, T, H], as JAX's FP8 tests use it): the BTNH call's output
+    and gradients, transposed."""
+    from fp8_params import quantized_problem  # noqa: PLC0415
+    from jax_sdpa import fp8  # noqa: PLC0415
+
+    q, k, v, d_out = random_qkv(9, 2, 16, 16, 4, 2, 32, jnp.bfloat16)
+    q8, k8, v8, do8, params, _ = quantized_problem(q, k, v, d_out, causal=True, scale=0.5)
+    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+
+    def run(layout, *arrays):
+        fn = lambda q8, k8, v8: fp8.dot_product_attention(  # noqa: E731
+            q8, k8, v8, fp8_params=params, scale=0.5, mask_type="CAUSAL", qkv_layout=layout)
+        (out8, amax_s, amax_o), vjp = jax.vjp(jax.jit(fn), *arrays[:3])
+        return (out8, amax_s, amax_o, *vjp((arrays[3], jnp.zeros_like(amax_s),
+                                            jnp.zeros_like(amax_o))))
+    ours = run("BNTH", *(swap(x) for x in (q8, k8, v8, do8)))
+    theirs = run("BTNH", q8, k8, v8, do8)
+    for name, a, b in zip(("out", "amax_s", "amax_o", "dq", "dk", "dv"), ours, theirs):
+        if a.ndim == 4 and a.shape != (1, 1, 1, 1):
+            a = swap(a)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    with pytest.raises(ValueError, match="qkv_layout"):
+        fp8.dot_product_attention(q8, k8, v8, fp8_params=params, qkv_layout="NTBH")
+
+
 def test_framework_convention_refuses_by_name():
     from jax_sdpa import fp8  # noqa: PLC0415
 

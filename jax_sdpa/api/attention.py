@@ -102,11 +102,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       score_mod: None or a function ``score_mod(score, batch, head, q_index, kv_index) ->
         score`` of the scaled (and soft-capped) float32 scores ``scale * Q K^T`` and their int32
         indices (query head; row positions), applied elementwise before the bias and masks, as
-        FlexAttention's. It may close over arrays (a per-head table, learnable: gradients flow
-        to them). Runs on the XLA reference path (with a warning on a GPU). Not in jax.nn.
+        FlexAttention's. It may close over arrays (a per-head table; gradients flow to them on
+        the reference path, and on cuDNN they must be wrapped in ``jax.lax.stop_gradient``).
+        On cuDNN inside its fused kernels where its nodes express the function
+        (docs/score_mod.md), else on the reference path (with a warning on a GPU). Not in
+        jax.nn.
       alibi_slopes: None or float32 ``[N]`` or ``[B, N]``: ALiBi, ``score - slope * |i + S - T
         - j|`` (flash-attn's convention), after score_mod; ``jax_sdpa.alibi_slopes(N)`` gives
-        the standard slopes. Runs on the XLA reference path. Not in jax.nn.
+        the standard slopes. On cuDNN as a score modifier (``[B, N]`` only at B = 1). Not in
+        jax.nn.
 
     Returns:
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
