@@ -175,3 +175,43 @@ def test_framework_convention_on_cudnn_matches_its_reference(causal):
     for name in fp8.AMAXES:
         assert float(ours_params[name].reshape(())) == pytest.approx(
             float(ref_params[name].reshape(())), rel=0.1), name
+
+
+HALF_BACKWARD_CONFIGS = {  # name: (batch, T, S, N, K, head_dim, causal, lengths)
+    "gqa-causal": (1, 384, 384, 8, 2, 128, True, None),
+    "gqa-lengths": (3, 257, 257, 8, 2, 128, True, (1, 200, 257)),
+    "head_dim-64": (2, 256, 256, 4, 4, 64, True, None),  # no FP8 backward on Hopper
+    "short-odd-7": (1, 7, 7, 2, 2, 128, True, None),  # the FP8 backward is wrong below 64
+}
+
+
+@pytest.mark.parametrize("name", list(HALF_BACKWARD_CONFIGS))
+def test_half_backward_after_the_fp8_forward(name, monkeypatch):
+    """The FP8 forward with cuDNN's half-precision backward from its output and stats
+    (limits/fp8.half_backward_reason): gradients within FP8's bounds of float32, no warning,
+    every element written, our dense backward target in the program."""
+    monkeypatch.setattr(jax_sdpa.limits.fp8, "HALF_BACKWARD_ON_CUDNN", True)
+    batch, t, s, n, kh, h, causal, lengths = HALF_BACKWARD_CONFIGS[name]
+    q, k, v, d_out = random_qkv(len(name) + 40, batch, t, s, n, kh, h, jnp.bfloat16)
+    lengths = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    fn = _attention("cudnn", causal, lengths)
+    text = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * d_out),
+                            (0, 1, 2))).lower(q, k, v).as_text()
+    assert calls_to(text, "forward", "fp8") and calls_to(text, "backward", "dense")
+    with poison_outputs():
+        ours = _value_and_grads(fn, (q, k, v), d_out)
+    exact = _value_and_grads(
+        _attention("xla", causal, lengths, lambda x: x.astype(jnp.float32), fp8=False),
+        (q, k, v), d_out.astype(jnp.float32))
+    report = []
+    for part, a, e in zip(("output", "dq", "dk", "dv"), ours, exact):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{name} {part}: not finite"
+        error = relative_error(a, e)
+        report.append(f"{part} {error:.4f}")
+        assert error < (OUTPUT_BOUND if part == "output" else GRADIENT_BOUND), (
+            f"{name} {part}: {error:.4f} against float32")
+    print(f"fp8 half backward {name}: " + ", ".join(report))
+    if lengths is not None:  # rows past the lengths stay zero, gradients too
+        for x in ours:
+            rows = np.arange(x.shape[1])[None, :] >= np.asarray(lengths)[:, None]
+            assert np.all(np.asarray(x, np.float32)[rows] == 0)

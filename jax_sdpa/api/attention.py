@@ -116,22 +116,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       The attention output, shaped like ``query``; with ``return_residual``, ``(output, lse)``.
     """
     residual_dtype = checked_residual_dtype(residual_dtype, query)
-    if isinstance(mask, masks.Mask):
-        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids) = _described_mask(
-            mask, query, key, implementation, is_causal=is_causal,
-            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-            kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
-    call = validate(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                    query_seq_lengths=query_seq_lengths,
-                    key_value_seq_lengths=key_value_seq_lengths,
-                    local_window_size=local_window_size, implementation=implementation,
-                    causal_alignment=causal_alignment, dropout_rate=dropout_rate,
-                    dropout_rng=dropout_rng, query_segment_ids=query_segment_ids,
-                    kv_segment_ids=kv_segment_ids, max_segments=max_segments,
-                    logits_soft_cap=logits_soft_cap, sinks=sinks,
-                    max_document_length=max_document_length, fp8=fp8, score_mod=score_mod,
-                    alibi_slopes=alibi_slopes)
-    spec = planning.plan(call, implementation, deterministic=bool(deterministic))
+    call, spec = planned(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                         query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths,
+                         local_window_size=local_window_size, implementation=implementation,
+                         deterministic=deterministic, causal_alignment=causal_alignment,
+                         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                         query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids,
+                         max_segments=max_segments, logits_soft_cap=logits_soft_cap,
+                         sinks=sinks, max_document_length=max_document_length, fp8=fp8,
+                         score_mod=score_mod, alibi_slopes=alibi_slopes)
     if spec.implementation == "cudnn" or spec.fp8:  # FP8's arithmetic lives in the kernels
         output, lse = fused_path.run(call, spec)
     else:
@@ -140,6 +134,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if not return_residual:
         return output
     return output, _residual(call, lse, residual_dtype)
+
+
+def planned(query, key, value, bias, mask, *, implementation, deterministic, is_causal,
+            local_window_size, query_segment_ids, kv_segment_ids, causal_alignment, **options):
+    """(the validated call, its planned CallSpec): what dot_product_attention runs, warning or
+    raising where planning does (jax_sdpa.explain reports the same)."""
+    if isinstance(mask, masks.Mask):
+        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids) = _described_mask(
+            mask, query, key, implementation, is_causal=is_causal,
+            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+            kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
+    call = validate(query, key, value, bias, mask, is_causal=is_causal,
+                    local_window_size=local_window_size, implementation=implementation,
+                    causal_alignment=causal_alignment, query_segment_ids=query_segment_ids,
+                    kv_segment_ids=kv_segment_ids, **options)
+    return call, planning.plan(call, implementation, deterministic=bool(deterministic))
 
 
 def _described_mask(mask, query, key, implementation, causal_alignment, **keywords):

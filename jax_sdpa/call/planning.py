@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.call.spec import HALF_BACKWARD, CallSpec
 from jax_sdpa.call.validation import AttentionCall
 from jax_sdpa.common.warn import warn
 from jax_sdpa.cudnn import command_buffers
@@ -67,16 +67,31 @@ def _bias_layout(call: AttentionCall, dense_segments: bool) -> dict:
                 bias_grad=call.bias is not None)
 
 
-def _backward_reason(call: AttentionCall) -> str | None:
+def backward_reason(call: AttentionCall) -> str | None:
+    """None if cuDNN can run the call's backward (for FP8, on its FP8 or half-precision
+    graphs), else why not."""
     spec = call.spec
     q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
     head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
     reason = dense.backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
                                    spec.logits_soft_cap or None, spec.bias_grad,
                                    spec.has_score_mod)
-    if reason is None and spec.fp8:
+    if reason is None and spec.fp8 and half_backward_reason(call) is None:
         reason = fp8.fp8_backward_reason(q_seq_len, kv_seq_len, head_dim)
     return reason
+
+
+def half_backward_reason(call: AttentionCall) -> str | None:
+    """Why an FP8 call's backward takes cuDNN's half-precision graphs, or None (not FP8, its
+    FP8 backward runs, or no cuDNN backward does)."""
+    spec = call.spec
+    q_seq_len, kv_seq_len = call.query.shape[1], call.key.shape[1]
+    head_dim, head_dim_v = call.query.shape[-1], call.value.shape[-1]
+    if not spec.fp8 or dense.backward_reason(q_seq_len, kv_seq_len, head_dim, head_dim_v,
+                                             None, False, False) is not None:
+        return None
+    return fp8.half_backward_reason(call.query.shape[2], call.key.shape[2],
+                                    fp8.fp8_backward_reason(q_seq_len, kv_seq_len, head_dim))
 
 
 def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
@@ -89,7 +104,7 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
         if reason:
             raise ValueError(reason)
     reason = device.device_reason() or call_reason(call)
-    backward = None if reason else _backward_reason(call)
+    backward = None if reason else backward_reason(call)
     if backward is not None and spec.dropout > 0.0:
         # The reference backward recomputes the forward: it would not drop what cuDNN dropped.
         reason = f"{backward}, and with dropout the forward must run where the backward does"
@@ -107,6 +122,8 @@ def plan(call: AttentionCall, implementation, deterministic: bool) -> CallSpec:
         warn(f"jax_sdpa: the backward of this call takes the XLA reference path because "
              f"{backward}")
         backward_kernel = "xla"
+    elif half_backward_reason(call) is not None:
+        backward_kernel = HALF_BACKWARD
     dense_segments = False
     if spec.segments:
         dense_reason = packed.ragged_reason(call) or _score_mod_packing_reason(call)

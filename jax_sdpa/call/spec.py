@@ -47,6 +47,10 @@ def graph_option(targets, **field_options):
     return dataclasses.field(metadata={"graph_option": targets}, **field_options)
 
 
+# An FP8 call's backward on cuDNN's float16/bfloat16 graphs (limits/fp8.half_backward_reason).
+HALF_BACKWARD = "cudnn_half"
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
     scale: float = graph_option(_DENSE + _RAGGED + _PAGED + _FP8)
@@ -64,8 +68,9 @@ class CallSpec:
     dropout: float = graph_option(_DENSE + _RAGGED, default=0.0)
     # "xla" (the reference: a call as validated) or "cudnn", as planned.
     implementation: str = "cudnn"
-    # The backward's kernel, when it differs from the forward's (a cuDNN forward whose backward
-    # cuDNN cannot run, e.g. T = S = 1).
+    # The backward's kernel, when it differs from the forward's: "xla" (a cuDNN forward whose
+    # backward cuDNN cannot run, e.g. T = S = 1) or HALF_BACKWARD (an FP8 forward's backward on
+    # cuDNN's half-precision graphs, from the FP8 forward's output and stats).
     backward_implementation: str | None = None
     # Optional inputs: a bias [1|B, 1|N, T, S] (the user's; planned for cuDNN, also a mask's
     # and dense segment ids', with a gradient for the user's alone), valid lengths [B].
@@ -119,6 +124,10 @@ class CallSpec:
             raise ValueError(f"fp8 must be '', 'e5m2' or 'e4m3', got {self.fp8!r}")
         if self.segments not in ("", "self", "cross"):
             raise ValueError(f"segments must be '', 'self' or 'cross', got {self.segments!r}")
+
+    @property
+    def half_backward(self) -> bool:
+        return self.backward_implementation == HALF_BACKWARD
 
     @property
     def backward_kernel(self) -> str:

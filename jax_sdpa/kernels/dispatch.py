@@ -11,6 +11,8 @@ device. Sinks are applied here, after whichever kernel ran (sink_softmax.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jax_sdpa.cudnn import dense
@@ -54,6 +56,9 @@ def backward(spec, inputs, output, lse, d_output):
         forward_fn = (reference_kernel.blockwise_forward if spec.segments else
                       reference_kernel.forward)
         return reference_kernel.backward(spec, inputs, output, lse, d_output, forward_fn)
+    if spec.half_backward:  # the FP8 forward's output and stats, graded in the inputs' dtype
+        half = dataclasses.replace(spec, fp8="", backward_implementation=None)
+        return tuple(dense.backward(_without_sinks(inputs), output, lse, d_output, half))
     if spec.fp8:
         return fp8.backward(spec, inputs, output, lse, d_output)
     if spec.segments:

@@ -55,6 +55,28 @@ def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
     return None
 
 
+# Whether an FP8 call may take cuDNN's half-precision backward (half_backward_reason). Off until
+# tests/test_gpu_fp8.py::test_half_backward* pass on a GPU (they turn it on for themselves).
+HALF_BACKWARD_ON_CUDNN = False
+
+
+def half_backward_reason(q_heads, kv_heads, fp8_backward: str | None) -> str | None:
+    """Why an FP8 call's backward runs on cuDNN's half-precision graphs (in the inputs' dtype,
+    from the FP8 forward's output and stats) rather than its FP8 graphs, or None. Given
+    fp8_backward_reason's answer; the caller has checked that the half-precision backward
+    runs."""
+    if not HALF_BACKWARD_ON_CUDNN:
+        return None
+    if fp8_backward is not None:
+        return fp8_backward
+    if kv_heads < q_heads:
+        # Measured on an H200, cuDNN 9.19 (docs/PERFORMANCE.md, "FP8"): with GQA the FP8
+        # backward took 7.7 ms against 5.6 ms in bfloat16 (gqa-s8k), 30.1 against 21.5 ms
+        # (llama3.1-s16k); without GQA it is the faster one.
+        return "cuDNN's FP8 backward is slower than its bfloat16 one with GQA"
+    return None
+
+
 def fp8_backward_reason(q_seq_len, kv_seq_len, head_dim) -> str | None:
     """None if cuDNN's FP8 backward takes these sizes on this device, else why not."""
     if min(q_seq_len, kv_seq_len) < MIN_FP8_BACKWARD_SEQ_LEN:
