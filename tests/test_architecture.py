@@ -14,7 +14,7 @@ LAYERS = [
     {"__init__", "flax", "fp8", "ring"},                    # entry points
     {"ring.all_gather"},                                    # ring attention's strategies
     {"ring.blocks"},                                        # one block and the merge
-    {"api.varlen", "api.paged"},                            # the other public functions
+    {"api.varlen", "api.paged", "api.explain"},             # the other public functions
     {"api.attention"},                                      # dot_product_attention
     {"call.inputs"},                                        # a call's kernel inputs
     {"call.planning"},                                      # cuDNN or not, and the CallSpec
