@@ -23,6 +23,7 @@ from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.common.warn import warn
 from jax_sdpa.cudnn import fp8 as fp8_target
 from jax_sdpa.kernels import fp8 as fp8_kernels
+from jax_sdpa.fp8_delayed import DelayedScaling  # noqa: F401  (public: jax_sdpa.fp8.DelayedScaling)
 from jax_sdpa.kernels import sharding
 from jax_sdpa.limits import device
 from jax_sdpa.limits import fp8 as fp8_limits

@@ -12,6 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_sdpa"
 # gets a place here.
 LAYERS = [
     {"__init__", "flax", "fp8", "ring"},                    # entry points
+    {"fp8_delayed"},                                        # FP8 delayed scaling
     {"ring.all_gather"},                                    # ring attention's strategies
     {"ring.blocks"},                                        # one block and the merge
     {"api.varlen", "api.paged", "api.explain"},             # the other public functions
