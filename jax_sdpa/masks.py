@@ -35,6 +35,11 @@ class Mask:
         None."""
         return None
 
+    def elementwise(self):
+        """keep(batch, head, q_index, kv_index) -> bool on scalars (what keep() says, as a
+        score_mod can test it inside cuDNN's kernel), or None where the mask reads arrays."""
+        return None
+
     def to_boolean(self, q_seq_len: int, kv_seq_len: int, batch: int = 1):
         """The boolean form, [B|1, N|1, T, S]."""
         return jnp.asarray(self.keep(batch, q_seq_len, kv_seq_len), bool)
@@ -74,6 +79,9 @@ class Causal(Mask):
     def native(self):
         return dict(is_causal=True)
 
+    def elementwise(self):
+        return lambda b, h, i, j: j <= i
+
 
 @dataclasses.dataclass(frozen=True)
 class SlidingWindow(Mask):
@@ -85,6 +93,9 @@ class SlidingWindow(Mask):
     def keep(self, batch, q_seq_len, kv_seq_len):
         i, j = _positions(q_seq_len, kv_seq_len)
         return (j >= i - self.left) & (j <= i + self.right)
+
+    def elementwise(self):
+        return lambda b, h, i, j: (j >= i - self.left) & (j <= i + self.right)
 
     def native(self):
         return dict(local_window_size=(self.left, self.right))
@@ -117,6 +128,9 @@ class PrefixLM(Mask):
         i, j = _positions(q_seq_len, kv_seq_len)
         return (j < self.prefix_length) | (j <= i)
 
+    def elementwise(self):
+        return lambda b, h, i, j: (j < self.prefix_length) | (j <= i)
+
 
 @dataclasses.dataclass(frozen=True)
 class GlobalTokens(Mask):
@@ -127,6 +141,9 @@ class GlobalTokens(Mask):
     def keep(self, batch, q_seq_len, kv_seq_len):
         i, j = _positions(q_seq_len, kv_seq_len)
         return (i < self.n) | (j < self.n)
+
+    def elementwise(self):
+        return lambda b, h, i, j: (i < self.n) | (j < self.n)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,6 +190,12 @@ class Union(Mask):
         return self.a.keep(batch, q_seq_len, kv_seq_len) | self.b.keep(batch, q_seq_len,
                                                                         kv_seq_len)
 
+    def elementwise(self):
+        a, b = self.a.elementwise(), self.b.elementwise()
+        if a is None or b is None:
+            return None
+        return lambda *where: a(*where) | b(*where)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Intersection(Mask):
@@ -185,6 +208,12 @@ class Intersection(Mask):
     def keep(self, batch, q_seq_len, kv_seq_len):
         return self.a.keep(batch, q_seq_len, kv_seq_len) & self.b.keep(batch, q_seq_len,
                                                                         kv_seq_len)
+
+    def elementwise(self):
+        a, b = self.a.elementwise(), self.b.elementwise()
+        if a is None or b is None:
+            return None
+        return lambda *where: a(*where) & b(*where)
 
     def native(self):
         a, b = self.a.native(), self.b.native()
@@ -266,10 +295,29 @@ def native_keywords(mask: Mask, keywords: dict, causal_alignment: str) -> dict |
     return {**keywords, **{name: native[name] for name in wanted}}
 
 
+def as_score_mod(mask: Mask, score_mod=None):
+    """The mask as a score_mod (composed after the user's own, if any): a -inf score where it
+    hides the key, which cuDNN's kernels test per element with no [T, S] array; None where the
+    mask reads arrays (documents, block tables, booleans)."""
+    keep = _as_mask(mask).elementwise()
+    if keep is None:
+        return None
+
+    def masked(score, batch, head, q_index, kv_index):
+        if score_mod is not None:
+            score = score_mod(score, batch, head, q_index, kv_index)
+        return jnp.where(keep(batch, head, q_index, kv_index), score, -jnp.inf)
+    return masked
+
+
 def explain(mask: Mask) -> str:
-    """How dot_product_attention runs a mask: as cuDNN's own masks (their keywords), or as a
+    """How dot_product_attention runs a mask: as cuDNN's own masks (their keywords), as a
+    score_mod (each element tested inside the kernel: dense cost, no [T, S] array), or as a
     boolean [B, N, T, S] mask (dense cost)."""
     native = _as_mask(mask).native()
+    if native is None and _as_mask(mask).elementwise() is not None:
+        return ("a score_mod testing each element inside cuDNN's kernel: dense cost (no tile "
+                "skipped), no [T, S] array")
     if native is None:
         return "a boolean mask formed from the description: dense cost (cuDNN skips no tile)"
     given = {name: value for name, value in native.items() if value is not None}

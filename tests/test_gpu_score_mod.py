@@ -32,6 +32,9 @@ MODS = {
     "user causal mask": dict(score_mod=lambda s, b, h, q, k: jnp.where(k <= q, s, -jnp.inf)),
     # rows 0..3 see no key: the masks' rule (the mean of the values), as the reference
     "empties rows": dict(score_mod=lambda s, b, h, q, k: jnp.where(q < 4, -jnp.inf, s)),
+    # a mask description that tests positions: a score_mod (LOGICAL_OR and _AND nodes)
+    "global | window": dict(mask=jax_sdpa.masks.global_tokens(4) |
+                            jax_sdpa.masks.sliding_window(16, 0)),
 }
 
 

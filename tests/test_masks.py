@@ -105,24 +105,29 @@ def test_vmap_over_a_described_mask():
     np.testing.assert_allclose(np.asarray(fn(q, k, v)), np.asarray(expected), atol=2e-6)
 
 
-@pytest.mark.parametrize("name, native", [
-    ("causal", True), ("window", True), ("documents", True), ("causal & documents", True),
-    ("window & causal", True), ("prefix", False), ("global | window", False),
-    ("per-head boolean", False)])
-def test_what_cudnn_masks_express_forms_no_scores_array(name, native, monkeypatch):
+@pytest.mark.parametrize("name, route", [
+    ("causal", "native"), ("window", "native"), ("documents", "native"),
+    ("causal & documents", "native"), ("window & causal", "native"), ("prefix", "score_mod"),
+    ("global | window", "score_mod"), ("per-head boolean", "boolean")])
+def test_what_cudnn_masks_express_forms_no_scores_array(name, route, monkeypatch):
     """On cuDNN (lowered for CUDA here) a description its own masks express is no bias
-    operand at all; the others are a boolean mask's bias; explain says which."""
+    operand at all; one that tests positions is a score_mod (tested per element inside the
+    kernel: no bias operand either); the others are a boolean mask's bias, with a warning;
+    explain says which."""
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
     mask = MASKS[name](ids) if name != "per-head boolean" else masks.from_boolean(
         np.ones((4, 64, 64), bool))
-    with pytest.warns(RuntimeWarning) if not native else _no_warning():
+    with pytest.warns(RuntimeWarning) if route == "boolean" else _no_warning():
         text = jax.jit(lambda q: jax_sdpa.dot_product_attention(
             q, q, q, mask=mask, implementation="cudnn")).trace(q).lower(
                 lowering_platforms=("cuda",)).as_text()
-    assert ("has_bias = true" in text) != native
-    assert masks.explain(mask).startswith("cuDNN's own masks") == native
+    assert ("has_bias = true" in text) == (route == "boolean")
+    assert ('score_mod = "' in text and 'score_mod = ""' not in text) == (route == "score_mod")
+    assert masks.explain(mask).startswith(
+        {"native": "cuDNN's own masks", "score_mod": "a score_mod",
+         "boolean": "a boolean mask"}[route])
 
 
 class _no_warning:

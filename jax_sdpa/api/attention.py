@@ -141,10 +141,11 @@ def planned(query, key, value, bias, mask, *, implementation, deterministic, is_
     """(the validated call, its planned CallSpec): what dot_product_attention runs, warning or
     raising where planning does (jax_sdpa.explain reports the same)."""
     if isinstance(mask, masks.Mask):
-        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids) = _described_mask(
-            mask, query, key, implementation, is_causal=is_causal,
-            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-            kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
+        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids), \
+            options["score_mod"] = _described_mask(
+                mask, query, key, implementation, options, is_causal=is_causal,
+                local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+                kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
     call = validate(query, key, value, bias, mask, is_causal=is_causal,
                     local_window_size=local_window_size, implementation=implementation,
                     causal_alignment=causal_alignment, query_segment_ids=query_segment_ids,
@@ -152,20 +153,27 @@ def planned(query, key, value, bias, mask, *, implementation, deterministic, is_
     return call, planning.plan(call, implementation, deterministic=bool(deterministic))
 
 
-def _described_mask(mask, query, key, implementation, causal_alignment, **keywords):
-    """A jax_sdpa.masks description as cuDNN's own masks (merged into the keywords), or as its
+def _described_mask(mask, query, key, implementation, options, causal_alignment, **keywords):
+    """A jax_sdpa.masks description as (boolean mask or None, the keywords, the score_mod):
+    cuDNN's own masks (merged into the keywords) where they say it; else, where the mask is a
+    test of positions (and the call is not FP8, whose graphs take no score_mod), a score_mod
+    after the user's that gives hidden keys -inf, tested inside cuDNN's kernel; else its
     boolean form, with a warning where that costs speed (an NVIDIA GPU, half-precision
     inputs)."""
     names = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")
+    score_mod = options.get("score_mod")
     native = masks.native_keywords(mask, keywords, causal_alignment)
     if native is not None:
-        return None, tuple(native[name] for name in names)
+        return None, tuple(native[name] for name in names), score_mod
+    as_score_mod = None if options.get("fp8") else masks.as_score_mod(mask, score_mod)
+    if as_score_mod is not None:
+        return None, tuple(keywords[name] for name in names), as_score_mod
     if implementation != "xla" and planning.fallback_costs_speed(query.dtype):
         warn(f"jax_sdpa: the mask {type(mask).__name__} runs as a boolean [B, N, T, S] mask "
              f"(dense cost): {masks.explain(mask)}")
     batch = math.prod(query.shape[:-3])
     boolean = mask.to_boolean(query.shape[-3], key.shape[-3], batch)
-    return boolean, tuple(keywords[name] for name in names)
+    return boolean, tuple(keywords[name] for name in names), score_mod
 
 
 def _residual(call: AttentionCall, lse, dtype):
