@@ -3,9 +3,11 @@
 
 A description knows its structure: the ones cuDNN's own masks express (``causal``,
 ``sliding_window``, ``documents``, and their intersections) run as those masks, at the cost of
-the tiles they keep, with no ``[T, S]`` array formed; any other (unions, ``prefix_lm``,
-``global_tokens``, ``block_table``, ``from_boolean``) is formed as a boolean mask, which costs
-the dense time (``explain(mask)`` says which). Every description also gives its boolean form
+the tiles they keep, with no ``[T, S]`` array formed; those that test positions only
+(``prefix_lm``, ``global_tokens``, windows per head, their unions) run as a score_mod tested
+inside cuDNN's kernel, at the dense cost but with no ``[T, S]`` array; any other (``documents``
+in a union, ``block_table``, ``from_boolean``) is formed as a boolean mask, the dense cost and
+its array (``explain(mask)`` says which). Every description also gives its boolean form
 (``to_boolean``), the oracle the reference path and the tests read.
 
 Positions are the rows' own: query ``i`` and key ``j`` count from 0 at the top-left of the
@@ -38,6 +40,10 @@ class Mask:
     def elementwise(self):
         """keep(batch, head, q_index, kv_index) -> bool on scalars (what keep() says, as a
         score_mod can test it inside cuDNN's kernel), or None where the mask reads arrays."""
+        return None
+
+    def heads(self) -> int | None:
+        """The query heads a per-head description is written for, or None (any)."""
         return None
 
     def to_boolean(self, q_seq_len: int, kv_seq_len: int, batch: int = 1):
@@ -85,19 +91,30 @@ class Causal(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class SlidingWindow(Mask):
-    """Query i sees keys i - left .. i + right (inclusive, as local_window_size)."""
+    """Query i sees keys i - left .. i + right (inclusive, as local_window_size); left and
+    right ints, or tuples of ints with one per query head."""
 
-    left: int
-    right: int
+    left: int | tuple
+    right: int | tuple
+
+    def heads(self):
+        sizes = {len(bound) for bound in (self.left, self.right) if isinstance(bound, tuple)}
+        return sizes.pop() if sizes else None
 
     def keep(self, batch, q_seq_len, kv_seq_len):
         i, j = _positions(q_seq_len, kv_seq_len)
-        return (j >= i - self.left) & (j <= i + self.right)
+        left, right = (np.asarray(bound).reshape(1, -1, 1, 1) for bound in
+                       (self.left, self.right))
+        return (j >= i - left) & (j <= i + right)
 
     def elementwise(self):
-        return lambda b, h, i, j: (j >= i - self.left) & (j <= i + self.right)
+        def bound(value, head):  # a per-head bound is a table of the head
+            return jnp.asarray(value, jnp.int32)[head] if isinstance(value, tuple) else value
+        return lambda b, h, i, j: (j >= i - bound(self.left, h)) & (j <= i + bound(self.right, h))
 
     def native(self):
+        if self.heads() is not None:
+            return None  # cuDNN's band is one for every head
         return dict(local_window_size=(self.left, self.right))
 
 
@@ -196,6 +213,12 @@ class Union(Mask):
             return None
         return lambda *where: a(*where) | b(*where)
 
+    def __post_init__(self):
+        _common_heads(self.a, self.b)
+
+    def heads(self):
+        return _common_heads(self.a, self.b)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Intersection(Mask):
@@ -215,6 +238,12 @@ class Intersection(Mask):
             return None
         return lambda *where: a(*where) & b(*where)
 
+    def __post_init__(self):
+        _common_heads(self.a, self.b)
+
+    def heads(self):
+        return _common_heads(self.a, self.b)
+
     def native(self):
         a, b = self.a.native(), self.b.native()
         if a is None or b is None:
@@ -231,6 +260,13 @@ class Intersection(Mask):
         return merged
 
 
+def _common_heads(a: Mask, b: Mask):
+    sizes = {n for n in (a.heads(), b.heads()) if n is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"masks written for {sorted(sizes)} heads cannot be combined")
+    return sizes.pop() if sizes else None
+
+
 def _as_mask(value) -> Mask:
     if isinstance(value, Mask):
         return value
@@ -243,14 +279,26 @@ def _bound(value, name, least=0):
     return int(value)
 
 
+def _bounds(value, name):
+    """An int bound, or a tuple of them (one per head)."""
+    if isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        return _bound(value, name)
+    values = tuple(np.asarray(value).reshape(-1).tolist())
+    if np.asarray(value).ndim != 1 or not values:
+        raise ValueError(f"{name} must be an int >= 0 or a sequence of them (one per query "
+                         f"head), got {value!r}")
+    return tuple(_bound(v, f"{name}[{i}]") for i, v in enumerate(values))
+
+
 def causal() -> Mask:
     """Query i sees keys 0..i (top-left, as is_causal=True)."""
     return Causal()
 
 
-def sliding_window(left: int, right: int = 0) -> Mask:
-    """Query i sees keys i - left .. i + right (as local_window_size=(left, right))."""
-    return SlidingWindow(_bound(left, "left"), _bound(right, "right"))
+def sliding_window(left, right=0) -> Mask:
+    """Query i sees keys i - left .. i + right (as local_window_size=(left, right)). Per head:
+    left and/or right a sequence of ints, one per query head (run as a score_mod on cuDNN)."""
+    return SlidingWindow(_bounds(left, "left"), _bounds(right, "right"))
 
 
 def documents(query_segment_ids, kv_segment_ids=None) -> Mask:

@@ -35,6 +35,7 @@ MODS = {
     # a mask description that tests positions: a score_mod (LOGICAL_OR and _AND nodes)
     "global | window": dict(mask=jax_sdpa.masks.global_tokens(4) |
                             jax_sdpa.masks.sliding_window(16, 0)),
+    "window per head": dict(mask=jax_sdpa.masks.sliding_window((0, 8, 32, 100), (0, 0, 4, 0))),
 }
 
 

@@ -71,6 +71,7 @@ MASKS = {
     "window & causal": lambda ids: masks.sliding_window(4, 2) & masks.causal(),
     "prefix": lambda ids: masks.prefix_lm(4),
     "global | window": lambda ids: masks.global_tokens(2) | masks.sliding_window(3, 0),
+    "window per head": lambda ids: masks.sliding_window((0, 2, 5, 30), (0, 0, 1, 0)),
     "per-head boolean": lambda ids: masks.from_boolean(
         np.random.default_rng(0).random((4, T, S)) > 0.4),
 }
@@ -108,7 +109,8 @@ def test_vmap_over_a_described_mask():
 @pytest.mark.parametrize("name, route", [
     ("causal", "native"), ("window", "native"), ("documents", "native"),
     ("causal & documents", "native"), ("window & causal", "native"), ("prefix", "score_mod"),
-    ("global | window", "score_mod"), ("per-head boolean", "boolean")])
+    ("global | window", "score_mod"), ("window per head", "score_mod"),
+    ("per-head boolean", "boolean")])
 def test_what_cudnn_masks_express_forms_no_scores_array(name, route, monkeypatch):
     """On cuDNN (lowered for CUDA here) a description its own masks express is no bias
     operand at all; one that tests positions is a score_mod (tested per element inside the
@@ -153,10 +155,24 @@ def test_a_described_mask_meets_the_calls_own_keywords():
     np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), atol=2e-6)
 
 
+def test_windows_per_head():
+    got = np.asarray(masks.sliding_window((1, 3), (0, 1)).to_boolean(T, S))
+    assert got.shape == (1, 2, T, S)
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    np.testing.assert_array_equal(got[0, 0], (j >= i - 1) & (j <= i))
+    np.testing.assert_array_equal(got[0, 1], (j >= i - 3) & (j <= i + 1))
+    q = jnp.ones((1, T, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="written for 2 query heads; the query has 4"):
+        jax_sdpa.dot_product_attention(q, q, q, mask=masks.sliding_window((1, 3)))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        masks.sliding_window((1, 2)) | masks.sliding_window((1, 2, 3))
+
+
 @pytest.mark.parametrize("build, words", [
     (lambda: masks.sliding_window(-1), "left must be an int >= 0"),
     (lambda: masks.block_table(np.ones((2, 2), bool), 0, 4), "tile_q must be an int >= 1"),
     (lambda: masks.prefix_lm(2.5), "prefix_length"),
+    (lambda: masks.sliding_window((1, -2)), r"left\[1\] must be an int >= 0"),
 ])
 def test_bad_descriptions_are_named(build, words):
     with pytest.raises(ValueError, match=words):

@@ -161,6 +161,10 @@ def _described_mask(mask, query, key, implementation, options, causal_alignment,
     boolean form, with a warning where that costs speed (an NVIDIA GPU, half-precision
     inputs)."""
     names = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")
+    heads = mask.heads()
+    if heads is not None and heads != query.shape[-2]:
+        raise ValueError(f"mask is written for {heads} query heads; the query has "
+                         f"{query.shape[-2]}")
     score_mod = options.get("score_mod")
     native = masks.native_keywords(mask, keywords, causal_alignment)
     if native is not None:
