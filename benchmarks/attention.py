@@ -165,7 +165,8 @@ def main(argv=None):
         configs = [c for c in configs if c.name in args.only]
     device = jax.devices()[0]
     header = (f"{time.strftime('%Y-%m-%d')}, {device.device_kind}, JAX {jax.__version__}, "
-              f"cuDNN {__import__('jax_sdpa').cudnn_version()}{' ' + args.label if args.label else ''}")
+              f"cuDNN {__import__('jax_sdpa').cudnn_version()}"
+              f"{' ' + args.label if args.label else ''}")
     rows = []
     for index, config in enumerate(configs):
         print(f"[{index + 1}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from jax_sdpa.reference.attention import alibi_slopes, attention_reference
 from jax_sdpa.api.varlen import varlen_attention
 from jax_sdpa import masks
 
-__all__ = ["dot_product_attention", "explain", "varlen_attention", "paged_attention", "paged_kv_update",
-           "attention_reference", "alibi_slopes", "cudnn_version", "masks",
+__all__ = ["dot_product_attention", "explain", "varlen_attention", "paged_attention",
+           "paged_kv_update", "attention_reference", "alibi_slopes", "cudnn_version", "masks",
            "export_disabled_checks", "graph_cache_stats", "register_ffi_targets"]
 __version__ = "0.1.0"

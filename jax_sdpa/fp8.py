@@ -166,10 +166,6 @@ def _inputs(query, key, value, lengths):
     return inputs
 
 
-def _scalar(x):
-    return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-
-
 def _dequantized(x, descale):
     return x.astype(jnp.float32) * descale.astype(jnp.float32)
 
@@ -249,7 +245,7 @@ def _forward(config, query, key, value, lengths, params):
     call = _forward_call(config, _groups(query, key))
     out8, lse, amaxes = call(*(inputs[n] for n in _names(config)),
                              _factors(params, FORWARD_FACTORS))
-    result = (out8, _scalar(amaxes[0, 0]), _scalar(amaxes[1, 0]))
+    result = (out8, scaling.scalar(amaxes[0, 0]), scaling.scalar(amaxes[1, 0]))
     return result, (query, key, value, lengths, params, out8, lse)
 
 
@@ -263,7 +259,7 @@ def _backward(config, residuals, cotangents):
     amax = dict(zip(AMAXES, amaxes[:, 0]))
     d_params = {name: jnp.zeros_like(x) for name, x in params.items()}
     for name in AMAXES:
-        d_params[name] = _scalar(amax[name]).reshape(params[name].shape).astype(
+        d_params[name] = scaling.scalar(amax[name]).reshape(params[name].shape).astype(
             params[name].dtype)
     return dq, dk, dv, None, d_params
 
@@ -275,4 +271,4 @@ def quantize(x, fmt="e4m3"):
     """(x [B, T, N, H] in the format with per-tensor current scaling, its descale factor
     float32 [1, 1, 1, 1]): the scaling fp8=True applies, for callers building fp8_params."""
     scale = scaling.current_scale(x, fmt)
-    return scaling.quantize(x, scale, fmt), _scalar(1 / scale)
+    return scaling.quantize(x, scale, fmt), scaling.scalar(1 / scale)

@@ -22,10 +22,6 @@ TENSORS = ("q", "k", "v", "dO", "s", "o", "dP", "dQ", "dK", "dV")
 _FORMAT = "e4m3"
 
 
-def _scalar(x):
-    return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
     """length: steps of amax history per tensor; margin: scales leave 2^margin of headroom."""
@@ -65,7 +61,7 @@ class DelayedScaling:
         for name in ("dQ", "dK", "dV"):
             params[f"scale_{name}"] = s[name]
         params.update({f"amax_{name}": jnp.zeros(()) for name in ("dQ", "dK", "dV", "dP")})
-        return {name: _scalar(value) for name, value in params.items()}
+        return {name: scaling.scalar(value) for name, value in params.items()}
 
     def update(self, history: dict, amaxes: dict) -> dict:
         """The history one step on: each tensor named in amaxes (a scalar each) gets it as its

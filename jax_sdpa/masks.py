@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -197,52 +198,44 @@ class FromBoolean(Mask):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Union(Mask):
-    """Keys either mask keeps."""
+class _Combined(Mask):
+    """Two masks joined elementwise by the subclass's `join` (written for the same heads, if
+    per head)."""
 
     a: Mask
     b: Mask
 
+    def __post_init__(self):
+        self.heads()
+
     def keep(self, batch, q_seq_len, kv_seq_len):
-        return self.a.keep(batch, q_seq_len, kv_seq_len) | self.b.keep(batch, q_seq_len,
-                                                                        kv_seq_len)
+        return self.join(self.a.keep(batch, q_seq_len, kv_seq_len),
+                         self.b.keep(batch, q_seq_len, kv_seq_len))
 
     def elementwise(self):
         a, b = self.a.elementwise(), self.b.elementwise()
         if a is None or b is None:
             return None
-        return lambda *where: a(*where) | b(*where)
-
-    def __post_init__(self):
-        _common_heads(self.a, self.b)
+        return lambda *where: self.join(a(*where), b(*where))
 
     def heads(self):
-        return _common_heads(self.a, self.b)
+        sizes = {n for n in (self.a.heads(), self.b.heads()) if n is not None}
+        if len(sizes) > 1:
+            raise ValueError(f"masks written for {sorted(sizes)} heads cannot be combined")
+        return sizes.pop() if sizes else None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Intersection(Mask):
+class Union(_Combined):
+    """Keys either mask keeps."""
+
+    join = staticmethod(operator.or_)
+
+
+class Intersection(_Combined):
     """Keys both masks keep: cuDNN's own masks where both parts are (one window at most, one
     set of documents at most)."""
 
-    a: Mask
-    b: Mask
-
-    def keep(self, batch, q_seq_len, kv_seq_len):
-        return self.a.keep(batch, q_seq_len, kv_seq_len) & self.b.keep(batch, q_seq_len,
-                                                                        kv_seq_len)
-
-    def elementwise(self):
-        a, b = self.a.elementwise(), self.b.elementwise()
-        if a is None or b is None:
-            return None
-        return lambda *where: a(*where) & b(*where)
-
-    def __post_init__(self):
-        _common_heads(self.a, self.b)
-
-    def heads(self):
-        return _common_heads(self.a, self.b)
+    join = staticmethod(operator.and_)
 
     def native(self):
         a, b = self.a.native(), self.b.native()
@@ -260,13 +253,6 @@ class Intersection(Mask):
         return merged
 
 
-def _common_heads(a: Mask, b: Mask):
-    sizes = {n for n in (a.heads(), b.heads()) if n is not None}
-    if len(sizes) > 1:
-        raise ValueError(f"masks written for {sorted(sizes)} heads cannot be combined")
-    return sizes.pop() if sizes else None
-
-
 def _as_mask(value) -> Mask:
     if isinstance(value, Mask):
         return value
@@ -281,7 +267,7 @@ def _bound(value, name, least=0):
 
 def _bounds(value, name):
     """An int bound, or a tuple of them (one per head)."""
-    if isinstance(value, (int, np.integer)) or isinstance(value, bool):
+    if isinstance(value, (int, np.integer)):  # bool too: _bound names it
         return _bound(value, name)
     values = tuple(np.asarray(value).reshape(-1).tolist())
     if np.asarray(value).ndim != 1 or not values:

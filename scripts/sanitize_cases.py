@@ -1,7 +1,8 @@
 """The core GPU cases, forward and backward, for compute-sanitizer (scripts/sanitize.sh):
 every target (dense, ragged, paged, FP8) and every feature that changes what the kernels read
 or write (bias and dbias, lengths, windows, dropout, value head_dim, GQA, packed documents
-checked and stated, score modifiers and their tables, vmap repeats) at small sizes, each checked for finiteness.
+checked and stated, score modifiers and their tables, vmap repeats) at small sizes, each
+checked for finiteness.
     python3 scripts/sanitize_cases.py [part of a case name]"""
 
 import jax

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from conftest import calls_to, random_qkv, relative_error
+from conftest import calls_to, gradient_patterns, random_qkv, relative_error
 from poisoning import poison_outputs
 
 pytestmark = pytest.mark.gpu
@@ -182,6 +182,7 @@ HALF_BACKWARD_CONFIGS = {  # name: (batch, T, S, N, K, head_dim, causal, lengths
     "gqa-lengths": (3, 257, 257, 8, 2, 128, True, (1, 200, 257)),
     "head_dim-64": (2, 256, 256, 4, 4, 64, True, None),  # no FP8 backward on Hopper
     "short-odd-7": (1, 7, 7, 2, 2, 128, True, None),  # the FP8 backward is wrong below 64
+    "gqa-odd-2501": (1, 2501, 2501, 4, 2, 128, True, None),
 }
 
 
@@ -215,3 +216,15 @@ def test_half_backward_after_the_fp8_forward(name, monkeypatch):
         for x in ours:
             rows = np.arange(x.shape[1])[None, :] >= np.asarray(lengths)[:, None]
             assert np.all(np.asarray(x, np.float32)[rows] == 0)
+
+
+def test_half_backward_under_every_gradient_pattern(monkeypatch):
+    monkeypatch.setattr(jax_sdpa.limits.fp8, "HALF_BACKWARD_ON_CUDNN", True)
+    q, k, v, d_out = random_qkv(11, 2, 256, 256, 4, 2, 128, jnp.bfloat16)
+    results = dict((name, pattern(q, k, v, d_out)) for name, pattern in
+                   gradient_patterns(_attention("cudnn", True, None)))
+    first = results["jit(grad)"]
+    for name, values in results.items():
+        for a, b in zip(values, first):
+            # each program quantizes in its own fusions (see the FP8 backward's pattern test)
+            assert relative_error(a, b) < 1e-2, name

@@ -35,6 +35,11 @@ def largest(fmt: str) -> float:
     return float(jnp.finfo(FORMATS[fmt]).max)
 
 
+def scalar(x):
+    """float32 [1, 1, 1, 1]: the shape JAX's FP8 convention gives every scale and amax."""
+    return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+
+
 def amax(x):
     """float32 [...]: max |x| over the last four axes (one value per vmapped slice)."""
     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(-4, -3, -2, -1))

@@ -5,9 +5,9 @@ respect to the score (JAX's own vjp of the same function) as a second one.
 Values that depend only on the batch and head (a closed-over per-head table indexed by head, a
 slope times a constant) are computed here, in JAX, as *tables*: float32 [B, P, N], one column
 of N heads per table and batch row, which cuDNN reads as [1, N, 1, 1] tensors (its kernels
-read a modifier's tensor wrongly where it varies by batch: such tables stay off cuDNN). Everything that
-depends on the score or the query and key positions becomes pointwise nodes. A program is text
-that ffi/graph/score_mod.cc reads, one instruction per ';'-separated item:
+read a modifier's tensor wrongly where it varies by batch: such tables stay off cuDNN).
+Everything that depends on the score or the query and key positions becomes pointwise nodes. A
+program is text that ffi/graph/score_mod.cc reads, one instruction per ';'-separated item:
 
     <type> <MODE> <operand>...     type f (float32), i (int32) or b (bool): what it computes
                                    in and gives; MODE a cuDNN PointwiseMode_t
