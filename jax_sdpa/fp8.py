@@ -45,20 +45,22 @@ _LAYOUTS = {"BTNH": False, "BSNH": False, "BNTH": True, "BNSH": True}
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
-                          kv_seqlen=None, q_offsets=None, kv_offsets=None, fp8_params=None, *,
-                          scale=1.0, mask_type="NO_MASK", seed=42, dropout_rate=0.0,
-                          qkv_layout="BTNH", sliding_window_length=None, use_fp8=True,
-                          return_residual=False):
+                          kv_seqlen=None, q_offsets=None, kv_offsets=None, fp8_params=None,
+                          score_mod_args=(), *, scale=1.0, mask_type="NO_MASK", seed=42,
+                          dropout_rate=0.0, qkv_layout="BTNH", sliding_window_length=None,
+                          score_mod=None, use_fp8=True, return_residual=False):
     """FP8 attention of query [B, T, N, H], key [B, S, K, H], value [B, S, K, H] (all
     float8_e4m3fn, BTNH; with qkv_layout="BNTH", [B, N, T, H] and so on): (output
     float8_e4m3fn in the inputs' layout, amax_s, amax_o float32 [1, 1, 1, 1]). mask_type:
     JAX's MaskType or its name; q_seqlen and kv_seqlen int32 [B] with the PADDING types. Bias,
-    mask, packed offsets, dropout, sliding windows and the residual are not taken in FP8
-    (ValueError). seed is unused (no dropout)."""
+    mask, packed offsets, dropout, sliding windows, score_mod (JAX 0.12's argument, with
+    score_mod_args) and the residual are not taken in FP8 (ValueError). seed is unused (no
+    dropout)."""
     del seed
     causal, padding = _checked_mask_type(mask_type)
     _refuse(bias=bias, mask=mask, q_offsets=q_offsets, kv_offsets=kv_offsets,
-            sliding_window_length=sliding_window_length)
+            sliding_window_length=sliding_window_length, score_mod=score_mod,
+            score_mod_args=tuple(score_mod_args) or None)
     if dropout_rate:
         raise ValueError(f"dropout_rate must be 0 in FP8, got {dropout_rate}")
     if return_residual:

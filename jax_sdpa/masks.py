@@ -192,8 +192,6 @@ class FromBoolean(Mask):
 
     def keep(self, batch, q_seq_len, kv_seq_len):
         mask = jnp.asarray(self.mask, bool)
-        if mask.ndim > 4:
-            raise ValueError(f"from_boolean takes a mask of rank <= 4, got {mask.shape}")
         return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
 
 
@@ -256,7 +254,20 @@ class Intersection(_Combined):
 def _as_mask(value) -> Mask:
     if isinstance(value, Mask):
         return value
-    return FromBoolean(value)
+    return from_boolean(value)
+
+
+def _boolean(array, name):
+    """array, refused unless boolean: a float bias or 0/1 ints read as booleans would be
+    silently wrong."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(array).dtype
+    if np.ndim(array) > 4:
+        raise ValueError(f"{name} must have rank <= 4, got shape {np.shape(array)}")
+    if dtype != np.bool_:
+        raise TypeError(f"{name} must be boolean (True = attend), got {dtype}")
+    return array
 
 
 def _bound(value, name, least=0):
@@ -304,12 +315,13 @@ def global_tokens(n: int) -> Mask:
 
 def block_table(table, tile_q: int, tile_k: int) -> Mask:
     """Tiles of tile_q queries by tile_k keys, computed where the boolean table is True."""
-    return BlockTable(table, _bound(tile_q, "tile_q", 1), _bound(tile_k, "tile_k", 1))
+    return BlockTable(_boolean(table, "block_table's table"), _bound(tile_q, "tile_q", 1),
+                      _bound(tile_k, "tile_k", 1))
 
 
 def from_boolean(mask) -> Mask:
     """A boolean array broadcastable to [B, N, T, S]; True = attend."""
-    return FromBoolean(mask)
+    return FromBoolean(_boolean(mask, "mask"))
 
 
 _NATIVE_KEYWORDS = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")

@@ -187,6 +187,9 @@ def test_framework_convention_refuses_by_name():
     params = {name: jnp.ones((1, 1, 1, 1)) for name in fp8.FP8_PARAMS}
     with pytest.raises(ValueError, match="bias"):
         fp8.dot_product_attention(q8, q8, q8, bias=jnp.zeros((1, 2, 8, 8)), fp8_params=params)
+    with pytest.raises(ValueError, match="score_mod"):  # JAX 0.12's arguments, by position too
+        fp8.dot_product_attention(q8, q8, q8, None, None, None, None, None, None, params,
+                                  (jnp.ones(2),), score_mod=lambda s, table: s + table[0])
     with pytest.raises(ValueError, match="scale_dV"):
         fp8.dot_product_attention(q8, q8, q8, fp8_params={k: v for k, v in params.items()
                                                            if k != "scale_dV"})

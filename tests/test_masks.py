@@ -179,8 +179,20 @@ def test_bad_descriptions_are_named(build, words):
         build()
 
 
+@pytest.mark.parametrize("build", [
+    lambda: masks.from_boolean(np.ones((4, 4), np.float32)),
+    lambda: masks.from_boolean(np.ones((4, 4), np.int32)),
+    lambda: masks.block_table(np.ones((2, 2)), 4, 4),
+    lambda: masks.causal() | 1,
+    lambda: masks.sliding_window(2) & jnp.zeros((4, 4)),
+])
+def test_masks_that_are_not_boolean_are_refused(build):
+    with pytest.raises(TypeError, match="must be boolean"):
+        build()
+
+
 def test_a_block_table_of_the_wrong_size_is_named():
     q, k, v, _ = random_qkv(4, 1, T, S, 2, 2, 32, jnp.float32)
     with pytest.raises(ValueError, match=r"ceil\(T / tile_q\)"):
-        jax_sdpa.dot_product_attention(q, k, v, mask=masks.block_table(np.ones((2, 2)), 4, 4),
+        jax_sdpa.dot_product_attention(q, k, v, mask=masks.block_table(np.ones((2, 2), bool), 4, 4),
                                        implementation="xla")

@@ -129,6 +129,8 @@ def test_bad_arguments_are_named():
     q = jnp.ones((1, 4, 2, 16))
     with pytest.raises(TypeError, match="score_mod must be a function"):
         jax_sdpa.dot_product_attention(q, q, q, score_mod=3)
+    with pytest.raises(TypeError, match=r"score_mod must be a function .*got <lambda>\(s, b\)"):
+        jax_sdpa.dot_product_attention(q, q, q, score_mod=lambda s, b: s)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         jax_sdpa.dot_product_attention(q, q, q, alibi_slopes=jnp.ones((3,), jnp.float32))
     with pytest.raises(TypeError, match="alibi_slopes must be float32"):

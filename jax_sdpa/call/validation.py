@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -175,12 +176,33 @@ def checked_sinks(value, q_heads, dtype):
     return array
 
 
+def _takes_five_arguments(fn):
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(*range(5))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): let the call tell
+        pass
+    return True
+
+
+def _described(fn):
+    if not callable(fn):
+        return type(fn).__name__
+    try:
+        return f"{getattr(fn, '__name__', type(fn).__name__)}{inspect.signature(fn)}"
+    except ValueError:
+        return repr(fn)
+
+
 def checked_score_mod(score_mod, alibi_slopes, batch, q_heads, q_seq_len, kv_seq_len):
     """One score modifier of the call (reference/attention.py's convention), ALiBi's after the
     user's, or None."""
-    if score_mod is not None and not callable(score_mod):
+    if score_mod is not None and not _takes_five_arguments(score_mod):
         raise TypeError(f"score_mod must be a function score_mod(score, batch, head, q_index, "
-                        f"kv_index) -> score, got {type(score_mod).__name__}")
+                        f"kv_index) -> score, got {_described(score_mod)}")
     if alibi_slopes is None:
         return score_mod
     slopes = _as_array(alibi_slopes, "alibi_slopes")
