@@ -11,6 +11,7 @@ import jax_sdpa
 from jax_sdpa.reference.attention import alibi, modified_scores
 from jax_sdpa.score_mod.program import UnsupportedScoreMod, translate
 
+import random_score_mods
 import score_mod_interpreter
 
 B, N, T, S = 2, 3, 7, 9
@@ -67,6 +68,25 @@ def test_program_gives_the_function_and_its_gradient(name):
     expected_gradient = np.asarray(pullback(jnp.asarray(gradient))[0])
     got_gradient = score_mod_interpreter.run(program.backward, scores, tables, gradient)
     np.testing.assert_allclose(got_gradient, expected_gradient, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_programs_give_the_function_and_its_gradient(seed):
+    """Seeded random modifiers (random_score_mods.py), all within what cuDNN's nodes express:
+    each translates and computes the function and JAX's gradient of it."""
+    source, fn = random_score_mods.function(seed, HEAD_TABLE)
+    program = translate(fn)
+    scores = _scores()
+    tables = np.asarray(program.tables(B, N))
+    expected = np.asarray(modified_scores(fn, jnp.asarray(scores)))
+    got = score_mod_interpreter.run(program.forward, scores, tables)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=source)
+    gradient = np.asarray(jax.random.normal(jax.random.key(2), scores.shape), np.float32)
+    _, pullback = jax.vjp(lambda x: modified_scores(fn, x), jnp.asarray(scores))
+    expected_gradient = np.asarray(pullback(jnp.asarray(gradient))[0])
+    got_gradient = score_mod_interpreter.run(program.backward, scores, tables, gradient)
+    np.testing.assert_allclose(got_gradient, expected_gradient, rtol=1e-3, atol=1e-3,
+                               err_msg=source)
 
 
 def test_minus_infinity_becomes_the_masks_fill_where_asked():
