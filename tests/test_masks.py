@@ -3,6 +3,8 @@ with a description equal to attention with its boolean form (reference path, odd
 B = 1, every gradient pattern, vmap), the descriptions cuDNN's own masks express lowered without
 any [T, S] array, and the rest explained."""
 
+import random
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,9 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa import masks
+from jax_sdpa.score_mod.program import translate
 from conftest import gradient_patterns, random_qkv
+import score_mod_interpreter
 
 T, S = 13, 13
 
@@ -196,3 +200,39 @@ def test_a_block_table_of_the_wrong_size_is_named():
     with pytest.raises(ValueError, match=r"ceil\(T / tile_q\)"):
         jax_sdpa.dot_product_attention(q, k, v, mask=masks.block_table(np.ones((2, 2), bool), 4, 4),
                                        implementation="xla")
+
+
+def _random_positional_mask(draw, heads, depth):
+    """A random tree of the descriptions that test positions only, joined by | and &."""
+    if depth == 0 or draw.random() < 0.3:
+        leaf = draw.randrange(5)
+        if leaf == 0:
+            return masks.causal()
+        if leaf == 1:
+            return masks.sliding_window(draw.randrange(6), draw.randrange(4))
+        if leaf == 2:
+            return masks.sliding_window(tuple(draw.randrange(6) for _ in range(heads)),
+                                        draw.randrange(3))
+        if leaf == 3:
+            return masks.prefix_lm(draw.randrange(10))
+        return masks.global_tokens(draw.randrange(4))
+    a, b = (_random_positional_mask(draw, heads, depth - 1) for _ in range(2))
+    return a | b if draw.random() < 0.5 else a & b
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_positional_masks_as_cudnn_programs(seed):
+    """The score-modifier program cuDNN would run for a random positional description
+    (translated, then run in NumPy with cuDNN's meaning of each node) hides exactly the keys
+    its boolean form hides, per head and at T != S."""
+    draw = random.Random(seed)
+    batch, heads, t, s = 2, 3, draw.choice([1, 7, 13]), draw.choice([5, 13, 16])
+    mask = _random_positional_mask(draw, heads, 3)
+    program = translate(masks.as_score_mod(mask))
+    scores = np.asarray(jax.random.normal(jax.random.key(seed), (batch, heads, t, s)),
+                        np.float32)
+    got = score_mod_interpreter.run(program.forward, scores,
+                                    np.asarray(program.tables(batch, heads)))
+    keep = np.broadcast_to(np.asarray(mask.to_boolean(t, s, batch)), scores.shape)
+    np.testing.assert_array_equal(got == -np.inf, ~keep, err_msg=repr(mask))
+    np.testing.assert_array_equal(got[keep], scores[keep])
