@@ -136,6 +136,26 @@ def test_what_cudnn_masks_express_forms_no_scores_array(name, route, monkeypatch
          "boolean": "a boolean mask"}[route])
 
 
+def test_a_positional_mask_cudnn_cannot_run_as_a_score_mod_runs_as_its_boolean_form(
+        monkeypatch):
+    """Where the score_mod form would leave cuDNN (here: more nodes than it is run with) and
+    the boolean form would not, the boolean form runs on cuDNN, with a warning naming why."""
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    monkeypatch.setattr(jax_sdpa.limits.dense, "MAX_SCORE_MOD_INSTRUCTIONS", 2)
+    q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
+    with pytest.warns(RuntimeWarning, match="boolean .* as a score_mod .*pointwise nodes"):
+        text = jax.jit(lambda q: jax_sdpa.dot_product_attention(
+            q, q, q, mask=masks.prefix_lm(8), implementation="cudnn")).trace(q).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert "has_bias = true" in text and 'score_mod = ""' in text
+    # The same on the reference path: both forms are exact there.
+    k = jax.random.normal(jax.random.key(0), (1, 13, 2, 16), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(jax_sdpa.dot_product_attention(k, k, k, mask=masks.prefix_lm(4))),
+        np.asarray(jax_sdpa.dot_product_attention(k, k, k, mask=jnp.asarray(
+            oracle("prefix", 13, 13)))), atol=2e-6)
+
+
 class _no_warning:
     def __enter__(self):
         import warnings  # noqa: PLC0415

@@ -140,27 +140,28 @@ def planned(query, key, value, bias, mask, *, implementation, deterministic, is_
             local_window_size, query_segment_ids, kv_segment_ids, causal_alignment, **options):
     """(the validated call, its planned CallSpec): what dot_product_attention runs, warning or
     raising where planning does (jax_sdpa.explain reports the same)."""
+    keywords = dict(is_causal=is_causal, local_window_size=local_window_size,
+                    query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids)
+
+    def validated(mask, keywords, score_mod):
+        return validate(query, key, value, bias, mask, implementation=implementation,
+                        causal_alignment=causal_alignment, **keywords,
+                        **dict(options, score_mod=score_mod))
+    call = None
     if isinstance(mask, masks.Mask):
-        mask, (is_causal, local_window_size, query_segment_ids, kv_segment_ids), \
-            options["score_mod"] = _described_mask(
-                mask, query, key, implementation, options, is_causal=is_causal,
-                local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-                kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment)
-    call = validate(query, key, value, bias, mask, is_causal=is_causal,
-                    local_window_size=local_window_size, implementation=implementation,
-                    causal_alignment=causal_alignment, query_segment_ids=query_segment_ids,
-                    kv_segment_ids=kv_segment_ids, **options)
+        mask, keywords, options["score_mod"], call = _described_mask(
+            mask, query, key, implementation, options, keywords, causal_alignment, validated)
+    call = call or validated(mask, keywords, options.get("score_mod"))
     return call, planning.plan(call, implementation, deterministic=bool(deterministic))
 
 
-def _described_mask(mask, query, key, implementation, options, causal_alignment, **keywords):
-    """A jax_sdpa.masks description as (boolean mask or None, the keywords, the score_mod):
-    cuDNN's own masks (merged into the keywords) where they say it; else, where the mask is a
-    test of positions (and the call is not FP8, whose graphs take no score_mod), a score_mod
-    after the user's that gives hidden keys -inf, tested inside cuDNN's kernel; else its
-    boolean form, with a warning where that costs speed (an NVIDIA GPU, half-precision
-    inputs)."""
-    names = ("is_causal", "local_window_size", "query_segment_ids", "kv_segment_ids")
+def _described_mask(mask, query, key, implementation, options, keywords, causal_alignment,
+                    validated):
+    """A jax_sdpa.masks description as (boolean mask or None, the keywords, the score_mod, the
+    validated call where checking the route made it, else None): cuDNN's own masks (merged into the keywords) where they say it; else, where the mask is a
+    test of positions and cuDNN runs it as one, a score_mod after the user's that gives hidden
+    keys -inf, tested inside cuDNN's kernel; else its boolean form, with a warning where that
+    costs speed (an NVIDIA GPU, half-precision inputs)."""
     heads = mask.heads()
     if heads is not None and heads != query.shape[-2]:
         raise ValueError(f"mask is written for {heads} query heads; the query has "
@@ -168,16 +169,23 @@ def _described_mask(mask, query, key, implementation, options, causal_alignment,
     score_mod = options.get("score_mod")
     native = masks.native_keywords(mask, keywords, causal_alignment)
     if native is not None:
-        return None, tuple(native[name] for name in names), score_mod
+        return None, native, score_mod, None
+    how = masks.explain(mask)
     as_score_mod = None if options.get("fp8") else masks.as_score_mod(mask, score_mod)
     if as_score_mod is not None:
-        return None, tuple(keywords[name] for name in names), as_score_mod
+        call = validated(None, keywords, as_score_mod)
+        reason = planning.cudnn_reason(call)
+        # A boolean stand-in: whether the boolean form would run, without forming it.
+        if reason is None or planning.cudnn_reason(
+                validated(jnp.ones((1, 1, 1, 1), bool), keywords, score_mod)) is not None:
+            return None, keywords, as_score_mod, call
+        how = f"as a score_mod {reason}"
     if implementation != "xla" and planning.fallback_costs_speed(query.dtype):
         warn(f"jax_sdpa: the mask {type(mask).__name__} runs as a boolean [B, N, T, S] mask "
-             f"(dense cost): {masks.explain(mask)}")
+             f"(dense cost): {how}")
     batch = math.prod(query.shape[:-3])
     boolean = mask.to_boolean(query.shape[-3], key.shape[-3], batch)
-    return boolean, tuple(keywords[name] for name in names), score_mod
+    return boolean, keywords, score_mod, None
 
 
 def _residual(call: AttentionCall, lse, dtype):

@@ -31,6 +31,12 @@ def call_reason(call: AttentionCall) -> str | None:
             dense.diagonal_band(call)[1])
 
 
+def cudnn_reason(call: AttentionCall) -> str | None:
+    """None if cuDNN can run the validated call, forward and backward, else why not. Ignores
+    the device."""
+    return call_reason(call) or backward_reason(call)
+
+
 def use_cudnn(reason: str | None, implementation, dtype, subject: str = "this call") -> bool:
     """True if cuDNN runs it. Else the reference path: silently where nothing is lost (no GPU,
     or inputs cuDNN never takes, as jax.nn picks XLA silently), with a warning naming why
