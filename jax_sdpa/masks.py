@@ -30,8 +30,12 @@ class Mask:
     """Which keys each query sees (True = attend). Combine with ``|`` and ``&``."""
 
     def keep(self, batch: int, q_seq_len: int, kv_seq_len: int):
-        """bool array broadcastable to [B, N, T, S] (rank 4)."""
-        raise NotImplementedError
+        """bool array broadcastable to [B, N, T, S] (rank 4). A description that tests
+        positions only says it once, in elementwise(); this evaluates that over the positions
+        (a batch-independent [1, N|1, T, S])."""
+        i, j = _positions(q_seq_len, kv_seq_len)
+        head = np.arange(self.heads() or 1).reshape(1, -1, 1, 1)
+        return self.elementwise()(0, head, i, j)
 
     def native(self) -> dict | None:
         """dot_product_attention keywords that express this mask with cuDNN's own masks, or
@@ -79,10 +83,6 @@ def _positions(q_seq_len, kv_seq_len):
 class Causal(Mask):
     """Query i sees keys 0..i (top-left, as is_causal)."""
 
-    def keep(self, batch, q_seq_len, kv_seq_len):
-        i, j = _positions(q_seq_len, kv_seq_len)
-        return j <= i
-
     def native(self):
         return dict(is_causal=True)
 
@@ -101,12 +101,6 @@ class SlidingWindow(Mask):
     def heads(self):
         sizes = {len(bound) for bound in (self.left, self.right) if isinstance(bound, tuple)}
         return sizes.pop() if sizes else None
-
-    def keep(self, batch, q_seq_len, kv_seq_len):
-        i, j = _positions(q_seq_len, kv_seq_len)
-        left, right = (np.asarray(bound).reshape(1, -1, 1, 1) for bound in
-                       (self.left, self.right))
-        return (j >= i - left) & (j <= i + right)
 
     def elementwise(self):
         def bound(value, head):  # a per-head bound is a table of the head
@@ -142,10 +136,6 @@ class PrefixLM(Mask):
 
     prefix_length: int
 
-    def keep(self, batch, q_seq_len, kv_seq_len):
-        i, j = _positions(q_seq_len, kv_seq_len)
-        return (j < self.prefix_length) | (j <= i)
-
     def elementwise(self):
         return lambda b, h, i, j: (j < self.prefix_length) | (j <= i)
 
@@ -155,10 +145,6 @@ class GlobalTokens(Mask):
     """The first n queries see every key, and every query sees the first n keys."""
 
     n: int
-
-    def keep(self, batch, q_seq_len, kv_seq_len):
-        i, j = _positions(q_seq_len, kv_seq_len)
-        return (i < self.n) | (j < self.n)
 
     def elementwise(self):
         return lambda b, h, i, j: (i < self.n) | (j < self.n)

@@ -14,6 +14,7 @@ from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference.attention import described_attention
 from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
 from jax_sdpa.common.warn import warn
+from jax_sdpa.limits import device
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -158,10 +159,12 @@ def planned(query, key, value, bias, mask, *, implementation, deterministic, is_
 def _described_mask(mask, query, key, implementation, options, keywords, causal_alignment,
                     validated):
     """A jax_sdpa.masks description as (boolean mask or None, the keywords, the score_mod, the
-    validated call where checking the route made it, else None): cuDNN's own masks (merged into the keywords) where they say it; else, where the mask is a
-    test of positions and cuDNN runs it as one, a score_mod after the user's that gives hidden
-    keys -inf, tested inside cuDNN's kernel; else its boolean form, with a warning where that
-    costs speed (an NVIDIA GPU, half-precision inputs)."""
+    validated call where checking the route made it, else None): cuDNN's own masks (merged
+    into the keywords) where they say it; else, where the mask is a test of positions and
+    cuDNN runs it as one (or no GPU runs anything: both forms are exact on the reference
+    path), a score_mod after the user's that gives hidden keys -inf, tested inside cuDNN's
+    kernel; else its boolean form, with a warning where that costs speed (an NVIDIA GPU,
+    half-precision inputs)."""
     heads = mask.heads()
     if heads is not None and heads != query.shape[-2]:
         raise ValueError(f"mask is written for {heads} query heads; the query has "
@@ -174,6 +177,8 @@ def _described_mask(mask, query, key, implementation, options, keywords, causal_
     as_score_mod = None if options.get("fp8") else masks.as_score_mod(mask, score_mod)
     if as_score_mod is not None:
         call = validated(None, keywords, as_score_mod)
+        if device.device_reason() is not None:  # no translation for a path that needs none
+            return None, keywords, as_score_mod, call
         reason = planning.cudnn_reason(call)
         # A boolean stand-in: whether the boolean form would run, without forming it.
         if reason is None or planning.cudnn_reason(
