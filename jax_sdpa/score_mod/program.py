@@ -183,8 +183,7 @@ class _Writer:
             return node
         kind = _type(node.dtype)
         if kind not in self.zeros:  # q times zero, in the node's type
-            zero = _INT_ZERO if node.dtype == _INT else _ZERO
-            self.zeros[kind] = self.emit(kind, "MUL", "q", zero.token)
+            self.zeros[kind] = self.emit(kind, "MUL", "q", self.zero_like(node).token)
         return _Node(self.emit(kind, "ADD", self.zeros[kind], node.token), node.dtype)
 
     def cast(self, node: _Node, dtype) -> _Node:
@@ -192,9 +191,6 @@ class _Writer:
         if node.dtype == dtype:
             return node
         return _Node(self.emit(_type(dtype), "IDENTITY", self.virtual(node).token), dtype)
-
-    def float_of(self, node: _Node) -> _Node:
-        return self.cast(node, _FLOAT)
 
     def compare(self, mode: str, a: _Node, b: _Node) -> _Node:
         # Measured on cuDNN 9.19 (H100): a comparison of float32 values finds no engine.
@@ -221,12 +217,7 @@ class _Writer:
         if (identity is not None and a.virtual and _type(a.dtype) == _type(dtype) and
                 b.token in (_constant_token(identity), _constant_token(identity, _INT))):
             return dataclasses.replace(a, dtype=dtype)  # x + 0, x * 1: x itself
-        if not a.virtual:
-            if commutative and b.virtual:
-                a, b = b, a
-            else:
-                a = self.virtual(a)
-        return _Node(self.emit(_type(dtype), mode, a.token, b.token), dtype)
+        return _Node(self.emit(_type(dtype), mode, self.virtual(a).token, b.token), dtype)
 
     def unary(self, mode: str, a: _Node, dtype) -> _Node:
         a = self.virtual(a)
@@ -389,7 +380,7 @@ class _Writer:
         """The live instructions (those the result reads), renumbered, then the result; with
         masked_fill, a -inf result becomes that value (a mask's fill: the reference's rule; as a
         maximum, which no finite score is below)."""
-        node = self.virtual(self.float_of(self.operand(value)))
+        node = self.virtual(self.cast(self.operand(value), _FLOAT))
         if masked_fill is not None and any("c-inf" in item.split() for item in self.items):
             node = self.binary("MAX", node, _Node(_constant_token(masked_fill), _FLOAT, False),
                                _FLOAT)
