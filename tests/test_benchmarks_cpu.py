@@ -2,6 +2,8 @@
 table reports (benchmarks/plans.py), config parsing and NVIDIA's reference row
 (benchmarks/configs.py)."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,8 +183,8 @@ def test_kernel_times_read_the_gpu_lines_of_a_trace_and_the_table_scales_them(tm
 
 def test_cudnn_parts_fit_one_device_call_each():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("pack_cudnn_parts",
-                                                  "scripts/pack_cudnn_parts.py")
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "pack_cudnn_parts.py"
+    spec = importlib.util.spec_from_file_location("pack_cudnn_parts", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     mib = 2**20

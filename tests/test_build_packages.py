@@ -3,11 +3,14 @@ another frontend's headers by environment variable, and NVRTC only for frontends
 
 import importlib.util
 import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # paths from the repository, not the cwd
 
 
 def finder():
     spec = importlib.util.spec_from_file_location("find_cuda_packages",
-                                                  "cmake/find_cuda_packages.py")
+                                                  ROOT / "cmake" / "find_cuda_packages.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -16,7 +16,15 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
 
 
-def test_without_a_gpu_it_names_the_reference_and_why():
+@pytest.fixture
+def without_a_gpu(monkeypatch):
+    """The device check as a CPU-only machine answers it (also where a GPU is present)."""
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: (
+        "the default JAX device is cpu (cpu), not an NVIDIA GPU: install jax[cuda13] (or "
+        "jax[cuda12]) on a machine with an NVIDIA GPU"))
+
+
+def test_without_a_gpu_it_names_the_reference_and_why(without_a_gpu):
     lines = jax_sdpa.explain(Q, KV, KV, is_causal=True).splitlines()
     assert lines[0].startswith("forward: the XLA reference path, because")
     assert "NVIDIA GPU" in lines[0]

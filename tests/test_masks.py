@@ -13,6 +13,7 @@ import pytest
 import jax_sdpa
 from jax_sdpa import masks
 from jax_sdpa.score_mod.program import translate
+import random_masks
 from conftest import gradient_patterns, random_qkv
 import score_mod_interpreter
 
@@ -222,24 +223,6 @@ def test_a_block_table_of_the_wrong_size_is_named():
                                        implementation="xla")
 
 
-def _random_positional_mask(draw, heads, depth):
-    """A random tree of the descriptions that test positions only, joined by | and &."""
-    if depth == 0 or draw.random() < 0.3:
-        leaf = draw.randrange(5)
-        if leaf == 0:
-            return masks.causal()
-        if leaf == 1:
-            return masks.sliding_window(draw.randrange(6), draw.randrange(4))
-        if leaf == 2:
-            return masks.sliding_window(tuple(draw.randrange(6) for _ in range(heads)),
-                                        draw.randrange(3))
-        if leaf == 3:
-            return masks.prefix_lm(draw.randrange(10))
-        return masks.global_tokens(draw.randrange(4))
-    a, b = (_random_positional_mask(draw, heads, depth - 1) for _ in range(2))
-    return a | b if draw.random() < 0.5 else a & b
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_random_positional_masks_as_cudnn_programs(seed):
     """The score-modifier program cuDNN would run for a random positional description
@@ -247,7 +230,7 @@ def test_random_positional_masks_as_cudnn_programs(seed):
     its boolean form hides, per head and at T != S."""
     draw = random.Random(seed)
     batch, heads, t, s = 2, 3, draw.choice([1, 7, 13]), draw.choice([5, 13, 16])
-    mask = _random_positional_mask(draw, heads, 3)
+    mask = random_masks.positional(draw, heads, 3)
     program = translate(masks.as_score_mod(mask))
     scores = np.asarray(jax.random.normal(jax.random.key(seed), (batch, heads, t, s)),
                         np.float32)
