@@ -1,14 +1,16 @@
 """Masks as data: descriptions of which keys each query sees, passed as
 ``dot_product_attention(..., mask=m)`` next to boolean arrays.
 
-A description knows its structure: the ones cuDNN's own masks express (``causal``,
-``sliding_window``, ``documents``, and their intersections) run as those masks, at the cost of
-the tiles they keep, with no ``[T, S]`` array formed; those that test positions only
-(``prefix_lm``, ``global_tokens``, windows per head, their unions) run as a score_mod tested
-inside cuDNN's kernel, at the dense cost but with no ``[T, S]`` array; any other (``documents``
-in a union, ``block_table``, ``from_boolean``) is formed as a boolean mask, the dense cost and
-its array (``explain(mask)`` says which). Every description also gives its boolean form
-(``to_boolean``), the oracle the reference path and the tests read.
+A description knows its structure, so it costs what it keeps: those cuDNN's own masks express
+(``causal``, ``sliding_window``, ``documents``, and their intersections) run as those masks;
+the others whose kept keys are known at trace time (``prefix_lm``, ``global_tokens``, windows
+per head, their unions and intersections, ``block_table`` and ``from_boolean`` arrays) are cut
+into a few rectangles our dense kernels run at their own cost (jax_sdpa/pieces/), where they cut
+into few; past that, those that test positions only run as a score_mod tested inside cuDNN's
+kernel (the dense cost, no ``[T, S]`` array) and the rest (``documents`` in a union, say) as
+their boolean form (the dense cost and its array). ``explain(mask)`` says which. Every
+description also gives its boolean form (``to_boolean``), the oracle the reference path and the
+tests read.
 
 Positions are the rows' own: query ``i`` and key ``j`` count from 0 at the top-left of the
 ``[T, S]`` score matrix.
@@ -343,16 +345,34 @@ def as_score_mod(mask: Mask, score_mod=None):
 
 
 def explain(mask: Mask) -> str:
-    """How dot_product_attention runs a mask: as cuDNN's own masks (their keywords), as a
-    score_mod (each element tested inside the kernel: dense cost, no [T, S] array), or as a
-    boolean [B, N, T, S] mask (dense cost)."""
-    native = _as_mask(mask).native()
-    if native is None and _as_mask(mask).elementwise() is not None:
-        return ("a score_mod testing each element inside cuDNN's kernel: dense cost (no tile "
-                "skipped), no [T, S] array")
-    if native is None:
-        return "a boolean mask formed from the description: dense cost (cuDNN skips no tile)"
-    given = {name: value for name, value in native.items() if value is not None}
-    return "cuDNN's own masks: " + ", ".join(
-        f"{name}={value!r}" if not hasattr(value, "shape") else f"{name}=<{value.shape} array>"
-        for name, value in given.items())
+    """How dot_product_attention runs a mask on cuDNN: as cuDNN's own masks (their keywords);
+    cut into pieces at trace time, where its kept keys cut into few rectangles that our dense
+    kernels run at their own cost (jax_sdpa.explain of a call says how many, and their share
+    of the dense work); else as a score_mod (each element tested inside cuDNN's kernel: dense
+    cost, no [T, S] array) or a boolean [B, N, T, S] mask (dense cost)."""
+    mask = _as_mask(mask)
+    native = mask.native()
+    if native is not None and not set(native) - {"is_causal", "local_window_size"}:
+        window = native.get("local_window_size")
+        if window is not None and window[1] > 0 and not native.get("is_causal"):
+            return (f"cuDNN's own masks: local_window_size={window!r} (forward); its backward "
+                    f"in pieces (cuDNN's backward skips no tile of a band with a right bound)")
+    if native is not None:
+        given = {name: value for name, value in native.items() if value is not None}
+        return "cuDNN's own masks: " + ", ".join(
+            f"{name}={value!r}" if not hasattr(value, "shape") else
+            f"{name}=<{value.shape} array>" for name, value in given.items())
+    fallback = ("a score_mod testing each element inside cuDNN's kernel (dense cost, no [T, S] "
+                "array)" if mask.elementwise() is not None else
+                "a boolean mask formed from the description (dense cost)")
+    if _structured(mask):
+        return (f"pieces: its rows' kept keys cut into rectangles our dense kernels run at their "
+                f"own cost, where they are few at the call's sizes; else {fallback}")
+    return fallback
+
+
+def _structured(mask) -> bool:
+    """Whether the description's kept keys are known at trace time (no documents)."""
+    if isinstance(mask, _Combined):
+        return _structured(mask.a) and _structured(mask.b)
+    return not isinstance(mask, Documents)

@@ -22,19 +22,20 @@ LAYERS = [
     {"kernels.vjp"},                                        # forward + backward as custom_vjp
     {"kernels.sharding"},                                   # custom_partitioning, custom_vmap
     {"kernels.dispatch"},                                   # the kernel switch
-    {"packing.ragged", "kernels.fp8"},                      # packed rows, FP8 on cuDNN
+    {"packing.ragged", "kernels.fp8", "kernels.pieces"},    # packed rows, FP8, pieces
     {"packing.fallback", "packing.grids", "reference.kernel"},
     {"cudnn.dense", "cudnn.ragged", "cudnn.paged", "cudnn.fp8",  # one module per FFI job
      "packing.documents", "reference.paged", "reference.fp8", "reference.empty_rows",
      "kernels.sink_softmax"},
-    {"cudnn.call", "call.validation"},                      # the FFI call; the arrays checked
+    {"cudnn.call", "call.validation", "limits.pieces"},     # the FFI call; the arrays checked
     {"limits.dense", "limits.paged"},                       # each feature's limits
     {"limits.packed", "limits.fp8"},
     {"limits.device"},
     {"call.spec", "cudnn.targets", "cudnn.extension", "cudnn.command_buffers",  # leaves
      "reference.attention", "reference.fp8_scaling", "common.warn", "common.versions",
-     "common.varying", "score_mod.program", "masks", "api", "call", "limits", "kernels", "packing",
-     "cudnn", "reference", "common", "score_mod"},
+     "common.varying", "score_mod.program", "masks", "pieces.plan", "pieces.intervals", "api",
+     "call", "limits", "kernels", "packing", "cudnn", "reference", "common", "score_mod",
+     "pieces"},
 ]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa import masks
+from jax_sdpa.pieces import plan as pieces_plan
 from jax_sdpa.score_mod.program import translate
 import random_masks
 from conftest import gradient_patterns, random_qkv
@@ -112,29 +113,36 @@ def test_vmap_over_a_described_mask():
 
 
 @pytest.mark.parametrize("name, route", [
-    ("causal", "native"), ("window", "native"), ("documents", "native"),
-    ("causal & documents", "native"), ("window & causal", "native"), ("prefix", "score_mod"),
-    ("global | window", "score_mod"), ("window per head", "score_mod"),
-    ("per-head boolean", "boolean")])
+    ("causal", "native"), ("window", "pieces"), ("documents", "native"),
+    ("causal & documents", "native"), ("window & causal", "native"), ("prefix", "pieces"),
+    ("global | window", "pieces"), ("window per head", "pieces"),
+    ("per-head boolean", "pieces"), ("random boolean", "boolean"),
+    ("global | documents", "boolean")])
 def test_what_cudnn_masks_express_forms_no_scores_array(name, route, monkeypatch):
     """On cuDNN (lowered for CUDA here) a description its own masks express is no bias
-    operand at all; one that tests positions is a score_mod (tested per element inside the
-    kernel: no bias operand either); the others are a boolean mask's bias, with a warning;
-    explain says which."""
+    operand at all, nor is one cut into pieces (dense calls with bands of their own); the
+    others are a boolean mask's bias, with a warning; explain says which."""
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
-    mask = MASKS[name](ids) if name != "per-head boolean" else masks.from_boolean(
-        np.ones((4, 64, 64), bool))
+    mask = {"per-head boolean": lambda: masks.from_boolean(np.ones((4, 64, 64), bool)),
+            "random boolean": lambda: masks.from_boolean(
+                np.random.default_rng(0).random((64, 64)) > 0.5),
+            "global | documents": lambda: masks.global_tokens(2) | masks.documents(ids),
+            }.get(name, lambda: MASKS[name](ids))()
     with pytest.warns(RuntimeWarning) if route == "boolean" else _no_warning():
         text = jax.jit(lambda q: jax_sdpa.dot_product_attention(
             q, q, q, mask=mask, implementation="cudnn")).trace(q).lower(
                 lowering_platforms=("cuda",)).as_text()
     assert ("has_bias = true" in text) == (route == "boolean")
-    assert ('score_mod = "' in text and 'score_mod = ""' not in text) == (route == "score_mod")
+    assert 'score_mod = "' not in text or 'score_mod = ""' in text
+    assert "jax_sdpa_" in text  # our targets run it
+    planned = jax_sdpa.explain(q, q, q, mask=mask, implementation="cudnn")
+    assert ("the mask cut into" in planned) == (route == "pieces"), planned
+    # (without the call's sizes: pieces where few, for every array of known values)
+    expected = {"window": "native", "random boolean": "pieces"}.get(name, route)
     assert masks.explain(mask).startswith(
-        {"native": "cuDNN's own masks", "score_mod": "a score_mod",
-         "boolean": "a boolean mask"}[route])
+        {"native": "cuDNN's own masks", "pieces": "pieces", "boolean": "a boolean mask"}[expected])
 
 
 def test_a_positional_mask_cudnn_cannot_run_as_a_score_mod_runs_as_its_boolean_form(
@@ -143,6 +151,8 @@ def test_a_positional_mask_cudnn_cannot_run_as_a_score_mod_runs_as_its_boolean_f
     the boolean form would not, the boolean form runs on cuDNN, with a warning naming why."""
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     monkeypatch.setattr(jax_sdpa.limits.dense, "MAX_SCORE_MOD_INSTRUCTIONS", 2)
+    monkeypatch.setattr(pieces_plan, "MAX_PIECES", 1)  # past the pieces' bound too
+    monkeypatch.setattr(pieces_plan, "plan", pieces_plan.plan.__wrapped__)  # (uncached)
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match="boolean .* as a score_mod .*pointwise nodes"):
         text = jax.jit(lambda q: jax_sdpa.dot_product_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -12,9 +13,12 @@ from jax_sdpa.call import inputs as fused_path
 from jax_sdpa.call import planning
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference.attention import described_attention
+from jax_sdpa.call.spec import checked_window
 from jax_sdpa.call.validation import AttentionCall, checked_residual_dtype, validate
 from jax_sdpa.common.warn import warn
 from jax_sdpa.limits import device
+from jax_sdpa.limits import pieces as limits_pieces
+from jax_sdpa.pieces import plan as pieces_plan
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -148,12 +152,46 @@ def planned(query, key, value, bias, mask, *, implementation, deterministic, is_
         return validate(query, key, value, bias, mask, implementation=implementation,
                         causal_alignment=causal_alignment, **keywords,
                         **dict(options, score_mod=score_mod))
-    call = None
+    call = cut = None
     if isinstance(mask, masks.Mask):
-        mask, keywords, options["score_mod"], call = _described_mask(
-            mask, query, key, implementation, options, keywords, causal_alignment, validated)
+        cut, call = _pieces(mask, query, key, implementation, keywords, causal_alignment,
+                            options, validated)
+        if cut is None:
+            mask, keywords, options["score_mod"], call = _described_mask(
+                mask, query, key, implementation, options, keywords, causal_alignment,
+                validated)
     call = call or validated(mask, keywords, options.get("score_mod"))
-    return call, planning.plan(call, implementation, deterministic=bool(deterministic))
+    spec = planning.plan(call, implementation, deterministic=bool(deterministic))
+    if cut is not None:
+        spec = dataclasses.replace(spec, pieces=cut.forward, backward_pieces=cut.backward)
+    return call, spec
+
+
+def _pieces(mask, query, key, implementation, keywords, causal_alignment, options, validated):
+    """(the description's pieces, the call validated without its mask) where it runs as
+    pieces on cuDNN (jax_sdpa/pieces/: tiles skipped, forward and backward), else (None,
+    None). The call's own causal flag and window join the description (top-left)."""
+    if implementation == "xla" or device.device_reason() is not None:
+        return None, None  # the reference path runs every description exactly
+    if keywords["query_segment_ids"] is not None or (
+            causal_alignment != "top_left" and (keywords["is_causal"] or
+                                                keywords["local_window_size"] is not None)):
+        return None, None
+    if keywords["is_causal"]:
+        mask = mask & masks.causal()
+    if keywords["local_window_size"] is not None:
+        mask = mask & masks.sliding_window(*checked_window(keywords["local_window_size"]))
+    if mask.heads() not in (None, query.shape[-2]):
+        return None, None  # (the described route names the mismatch)
+    call = validated(None, dict(keywords, is_causal=False, local_window_size=None),
+                     options.get("score_mod"))
+    if limits_pieces.call_reason(call) or planning.cudnn_reason(call):
+        return None, None
+    cut = pieces_plan.plan(mask, query.shape[-3], key.shape[-3], query.shape[-2],
+                           key.shape[-2])
+    if isinstance(cut, str) or limits_pieces.plan_reason(cut, call):
+        return None, None
+    return cut, call
 
 
 def _described_mask(mask, query, key, implementation, options, keywords, causal_alignment,

@@ -13,6 +13,7 @@ import numpy as np
 from jax_sdpa.api import attention
 from jax_sdpa.call import planning
 from jax_sdpa.limits import device
+from jax_sdpa.pieces import plan as pieces_plan
 
 # dot_product_attention's arguments that shape its result, not its plan
 _RESULT_ONLY = ("return_residual", "residual_dtype")
@@ -53,9 +54,18 @@ def _target(spec) -> str:
     return "our dense target"
 
 
+def _pieces(spec, pieces, backward, call) -> str:
+    if not pieces:
+        return ""
+    share = pieces_plan.share(pieces, backward, call.query.shape[1], call.key.shape[1],
+                              call.query.shape[2])
+    return (f", the mask cut into {len(pieces)} piece{'s' * (len(pieces) > 1)} "
+            f"({share:.0%} of the dense work)")
+
+
 def _forward(call, spec) -> str:
     if spec.implementation == "cudnn":
-        text = f"cuDNN, {_target(spec)}"
+        text = f"cuDNN, {_target(spec)}{_pieces(spec, spec.pieces, False, call)}"
         if spec.score_mod:
             program = call.score_mod_program
             text += (f", the score_mod as {program.instructions} pointwise nodes reading "
@@ -74,4 +84,4 @@ def _backward(call, spec) -> str:
     if spec.half_backward:
         return (f"cuDNN in {call.query.dtype.name}, our dense target, from the FP8 forward's "
                 f"output and statistics, because {planning.half_backward_reason(call)}")
-    return f"cuDNN, {_target(spec)}"
+    return f"cuDNN, {_target(spec)}{_pieces(spec, spec.backward_pieces, True, call)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sdpa.kernels import vjp as kernel_vjp
+from jax_sdpa.pieces import plan as pieces_plan
 from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference.attention import mask_to_bias
@@ -85,6 +86,13 @@ def run(call: AttentionCall, config: CallSpec):
     dense_segments = call.query_segment_ids is not None and not config.segments
     mask = _dense_mask(call, dense_segments)
     output, lse = kernel_vjp.attention(config, _inputs(call, config, mask))
-    if not config.segments and empty_rows.dense_rows_may_see_nothing(config, mask):
+    if config.pieces:
+        uncovered = pieces_plan.uncovered_rows(config.pieces, call.query.shape[1],
+                                               call.query.shape[2])
+        # (with sinks such rows are the zeros and sink logit the kernels leave)
+        if uncovered.any() and call.sinks is None:
+            output, lse = empty_rows.average_dense_rows(output, lse, jnp.asarray(uncovered),
+                                                        call.value, None, None)
+    elif not config.segments and empty_rows.dense_rows_may_see_nothing(config, mask):
         output, lse = _average_rows_seeing_nothing(call, config, mask, output, lse)
     return output, lse

@@ -51,6 +51,23 @@ def graph_option(targets, **field_options):
 HALF_BACKWARD = "cudnn_half"
 
 
+class Piece(NamedTuple):
+    """One rectangle of a mask cut into pieces (jax_sdpa/pieces/): query rows [q_start,
+    q_stop) against keys [kv_start, kv_stop) of query heads [head_start, head_stop) (every head
+    when head_stop is 0), run by the dense kernels with its own band (CallSpec's fields,
+    measured within the rectangle)."""
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = False
+    head_start: int = 0
+    head_stop: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
     scale: float = graph_option(_DENSE + _RAGGED + _PAGED + _FP8)
@@ -115,6 +132,11 @@ class CallSpec:
     # Our FFI targets XLA may record into CUDA graphs (jax_sdpa/cudnn/command_buffers.py,
     # JAX_SDPA_COMMAND_BUFFERS).
     command_buffer: bool = False
+    # A mask cut into pieces (jax_sdpa/pieces/): the forward's and the backward's, each a
+    # partition of the kept scores into Pieces the dense kernels run at their own cost, merged
+    # by log-sum-exp; () without. The rest of the spec applies to every piece.
+    pieces: tuple = ()
+    backward_pieces: tuple = ()
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

@@ -1,6 +1,6 @@
 """The kernel switch: one forward and one backward per implementation ("cudnn": our FFI targets
 by job, dense, packed, paged or FP8; "xla": the reference behind the same calling convention),
-chosen by the CallSpec.
+chosen by the CallSpec (a mask cut into pieces: kernels/pieces.py over the dense target).
 
     forward(spec, inputs)  -> (output [B, T, N, Hv], lse float32 [B, N, T])
     backward(spec, inputs, output, lse, d_output) -> (dq, dk, dv, dbias or None)
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_sdpa.cudnn import dense
 from jax_sdpa.cudnn import paged as paged_target
-from jax_sdpa.kernels import fp8, sink_softmax
+from jax_sdpa.kernels import fp8, pieces, sink_softmax
 from jax_sdpa.packing import ragged
 from jax_sdpa.reference import empty_rows
 from jax_sdpa.reference import kernel as reference_kernel
@@ -32,7 +32,9 @@ def forward(spec, inputs):
     plain = _without_sinks(inputs)
     if spec.fp8:
         return fp8.forward(spec, plain)
-    if spec.segments:
+    if spec.pieces:
+        output, lse = pieces.forward(spec, plain)
+    elif spec.segments:
         output, lse = ragged.forward(spec, plain)
     else:
         output, lse = dense.forward(plain, spec)
@@ -61,6 +63,8 @@ def backward(spec, inputs, output, lse, d_output):
         return tuple(dense.backward(_without_sinks(inputs), output, lse, d_output, half))
     if spec.fp8:
         return fp8.backward(spec, inputs, output, lse, d_output)
+    if spec.backward_pieces:
+        return (*pieces.backward(spec, _without_sinks(inputs), output, lse, d_output), None)
     if spec.segments:
         if spec.has_sinks and empty_rows.packed_rows_may_see_nothing(spec):
             # Rows that see no key are the sink's whole (zeros), not the values' mean the

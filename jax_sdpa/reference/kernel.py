@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jax_sdpa.reference import fp8 as fp8_reference
 from jax_sdpa.reference import paged
-from jax_sdpa.reference.attention import attention_reference, spec_options
+from jax_sdpa.reference.attention import (attention_reference, fold_heads, repeat_heads,
+                                          spec_options)
 
 # Query rows per block of the blockwise form: its float32 scores take block x S x heads x batch
 # x 4 bytes; about this many elements at most.
@@ -130,3 +131,30 @@ def backward(config, inputs, output, lse, d_output, forward_fn=forward):
     (grads,) = vjp(d_output.astype(inputs["query"].dtype))
     dbias = grads.get("bias") if config.bias_grad else None
     return grads["query"], grads["key"], grads["value"], dbias
+
+
+def backward_from_stats(scale, soft_cap, q, k, v, out, lse, d_out, keep=None):
+    """(dq, dk, dv) float32 of a block of query rows against a block of keys, given the whole
+    rows' output and lse (cuDNN's backward convention: the block's exact share when the rows
+    see other keys too). keep: bool broadcastable to [B, N, t, s], or None (every score)."""
+    q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
+    kv_heads = k.shape[2]
+    expand = lambda x: repeat_heads(x, q.shape[2])  # noqa: E731
+    highest = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=highest) * scale
+    capped = None
+    if soft_cap:
+        capped = jnp.tanh(logits / soft_cap)
+        logits = soft_cap * capped
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
+    p = jnp.exp(logits - lse[..., None])
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=highest)
+    dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=highest)
+    row_dot = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # D = rowsum(dO * O), [B,N,T]
+    ds = p * (dp - row_dot[..., None])
+    if capped is not None:  # d(cap * tanh(x / cap)) / dx
+        ds = ds * (1.0 - capped * capped)
+    dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=highest) * scale
+    dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=highest) * scale
+    return dq, fold_heads(dk, kv_heads), fold_heads(dv, kv_heads)

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jax import lax
 
 from jax_sdpa.cudnn import command_buffers
 from jax_sdpa.kernels import dispatch as kernels
 from jax_sdpa.kernels import sink_softmax
+from jax_sdpa.kernels.pieces import merge  # noqa: F401  (the ring's merge of partial results)
 from jax_sdpa.call.spec import CallSpec
-from jax_sdpa.reference.attention import fold_heads, repeat_heads
+from jax_sdpa.reference import kernel as reference_kernel
 
 FULL, DIAGONAL, SKIP = 0, 1, 2  # how a key/value chunk relates to a query chunk
 
@@ -76,31 +76,14 @@ def block_forward(implementation, scores, kind, q, k, v, kv_length=None):
 
 def reference_block_backward(scores, kind, q, k, v, out, lse, d_out, kv_length=None):
     """The float32 reference of cuDNN's block backward under given (global) out and lse."""
-    scale, soft_cap = scores
-    q, k, v, out, d_out = (x.astype(jnp.float32) for x in (q, k, v, out, d_out))
-    kv_heads = k.shape[2]
-    expand = lambda x: repeat_heads(x, q.shape[2])  # noqa: E731
-    hp = lax.Precision.HIGHEST
-    logits = jnp.einsum("btnh,bsnh->bnts", q, expand(k), precision=hp) * scale
-    capped = None
-    if soft_cap:
-        capped = jnp.tanh(logits / soft_cap)
-        logits = soft_cap * capped
+    keep = None
     if kind == DIAGONAL:
-        t, n = logits.shape[-2:]
-        logits = jnp.where(jnp.tril(jnp.ones((t, n), bool)), logits, -jnp.inf)
+        keep = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
     if kv_length is not None:
-        logits = jnp.where(jnp.arange(k.shape[1]) < kv_length, logits, -jnp.inf)
-    p = jnp.exp(logits - lse[..., None])
-    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out, precision=hp)
-    dp = jnp.einsum("btnh,bsnh->bnts", d_out, expand(v), precision=hp)
-    row_dot = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # D = rowsum(dO * O), [B,N,T]
-    ds = p * (dp - row_dot[..., None])
-    if capped is not None:  # d(cap * tanh(x / cap)) / dx
-        ds = ds * (1.0 - capped * capped)
-    dq = jnp.einsum("bnts,bsnh->btnh", ds, expand(k), precision=hp) * scale
-    dk = jnp.einsum("bnts,btnh->bsnh", ds, q, precision=hp) * scale
-    return dq, fold_heads(dk, kv_heads), fold_heads(dv, kv_heads)
+        keys = jnp.arange(k.shape[1]) < kv_length
+        keep = keys if keep is None else keep & keys
+    return reference_kernel.backward_from_stats(scores.scale, scores.soft_cap, q, k, v, out,
+                                                lse, d_out, keep)
 
 
 def block_backward(implementation, scores, kind, q, k, v, out, lse, d_out, kv_length=None):
@@ -117,17 +100,6 @@ def block_backward(implementation, scores, kind, q, k, v, out, lse, d_out, kv_le
     if kv_length is not None:  # no key seen, nothing to pass back (whatever the kernel left)
         grads = tuple(jnp.where(kv_length > 0, x, 0.0) for x in grads)
     return grads
-
-
-def merge(out, lse, block_out, block_lse):
-    """Two partial results of the same query rows as one: weighted by their log-sum-exps."""
-    if out is None:
-        return block_out, block_lse
-    merged = jnp.logaddexp(lse, block_lse)
-    # Rows that no block has reached yet have lse -inf on both sides: keep them at 0.
-    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)
-    weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]  # noqa: E731
-    return out * weight(lse) + block_out * weight(block_lse), merged
 
 
 def with_sinks(out, lse, sinks):

@@ -1,0 +1,129 @@
+"""A mask cut into pieces (jax_sdpa/pieces/plan.py) run on our dense kernels: each piece's rows,
+keys and heads sliced out and run with its own band; the forward merges the pieces of the same
+rows by log-sum-exp, the backward gives each piece the merged output and lse (so cuDNN returns
+that piece's exact share of dq, dk, dv: dS = P (dP - rowsum(dO O)) with P from the merged
+normaliser) and sums the shares in float32.
+
+Rows no piece covers are left at output 0 and lse -inf, for the caller's repair of rows that see
+no key (jax_sdpa/call/inputs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_sdpa.cudnn import dense
+from jax_sdpa.limits import pieces as limits
+from jax_sdpa.reference import kernel as reference_kernel
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two partial results of the same query rows as one (out [B, t, N, Hv], lse [B, N, t],
+    float32), weighted by their log-sum-exps; out None: the block alone."""
+    if out is None:
+        return block_out, block_lse
+    merged = jnp.logaddexp(lse, block_lse)
+    # Rows that no block has reached yet have lse -inf on both sides: keep them at 0.
+    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)
+    weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]  # noqa: E731
+    return out * weight(lse) + block_out * weight(block_lse), merged
+
+
+def piece_spec(spec, piece):
+    """The call's spec for one piece: its band, no pieces."""
+    return dataclasses.replace(spec, pieces=(), backward_pieces=(),
+                               window_left=piece.window_left, window_right=piece.window_right,
+                               bottom_right=piece.bottom_right)
+
+
+def _where(piece, q_heads, kv_heads):
+    """(rows, keys, query heads, key/value heads) slices of a piece."""
+    heads = slice(piece.head_start, piece.head_stop or q_heads)
+    group = q_heads // kv_heads
+    kv = slice(heads.start // group, -(-heads.stop // group))
+    return (slice(piece.q_start, piece.q_stop), slice(piece.kv_start, piece.kv_stop), heads, kv)
+
+
+def _sliced(inputs, rows, keys, heads, kv_heads):
+    return dict(query=inputs["query"][:, rows, heads], key=inputs["key"][:, keys, kv_heads],
+                value=inputs["value"][:, keys, kv_heads])
+
+
+def forward(spec, inputs):
+    """(output [B, T, N, Hv] in the inputs' dtype, lse float32 [B, N, T]) of spec.pieces."""
+    query, value = inputs["query"], inputs["value"]
+    batch, q_seq_len, q_heads, _ = query.shape
+    out = jnp.zeros((batch, q_seq_len, q_heads, value.shape[-1]), jnp.float32)
+    lse = jnp.full((batch, q_heads, q_seq_len), -jnp.inf, jnp.float32)
+    covered = np.zeros((q_heads, q_seq_len), bool)  # rows an earlier piece wrote
+    for piece in spec.pieces:
+        rows, keys, heads, kv_heads = _where(piece, q_heads, value.shape[2])
+        piece_out, piece_lse = dense.forward(_sliced(inputs, rows, keys, heads, kv_heads),
+                                             piece_spec(spec, piece))
+        piece_out = piece_out.astype(jnp.float32)
+        if covered[heads, rows].any():
+            piece_out, piece_lse = merge(out[:, rows, heads], lse[:, heads, rows], piece_out,
+                                         piece_lse)
+        covered[heads, rows] = True
+        out = _put(out, (0, rows.start, heads.start, 0), piece_out)
+        lse = _put(lse, (0, heads.start, rows.start), piece_lse)
+    return out.astype(query.dtype), lse
+
+
+def backward(spec, inputs, output, lse, d_output):
+    """(dq, dk, dv) of spec.backward_pieces, given the whole call's output and lse: each
+    piece's share, summed in float32 where pieces share rows or keys."""
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    q_heads, kv_heads_count = query.shape[2], key.shape[2]
+    if len(spec.backward_pieces) == 1 and _whole(spec.backward_pieces[0], query, key):
+        return tuple(dense.backward(inputs, output, lse, d_output,
+                                    piece_spec(spec, spec.backward_pieces[0]))[:3])
+    grads = [jnp.zeros(x.shape, jnp.float32) for x in (query, key, value)]
+    for piece in spec.backward_pieces:
+        rows, keys, heads, kv_heads = _where(piece, q_heads, kv_heads_count)
+        sliced = _sliced(inputs, rows, keys, heads, kv_heads)
+        given = (output[:, rows, heads], lse[:, heads, rows], d_output[:, rows, heads])
+        if limits.backward_reason(piece, query.shape[-1], value.shape[-1],
+                                  spec.logits_soft_cap):  # a small piece (limits.plan_reason)
+            shares = reference_kernel.backward_from_stats(
+                spec.scale, spec.logits_soft_cap, sliced["query"], sliced["key"],
+                sliced["value"], given[0], given[1], given[2], _keep(piece))
+        else:
+            shares = dense.backward(sliced, *given, piece_spec(spec, piece))[:3]
+        for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
+                                                 (keys, kv_heads)), shares)):
+            grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0),
+                            share.astype(jnp.float32), add=True)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (query, key, value)))
+
+
+def _keep(piece):
+    """bool [t, s]: the piece's band within its rectangle (from iotas: no constants)."""
+    rows = jnp.arange(piece.q_stop - piece.q_start)[:, None]
+    keys = jnp.arange(piece.kv_stop - piece.kv_start)[None, :]
+    if piece.bottom_right:
+        rows = rows + (piece.kv_stop - piece.kv_start) - (piece.q_stop - piece.q_start)
+    keep = keys >= 0
+    if piece.window_left >= 0:
+        keep &= keys >= rows - piece.window_left
+    if piece.window_right >= 0:
+        keep &= keys <= rows + piece.window_right
+    return keep
+
+
+def _put(x, start, update, add=False):
+    """x with `update` written (or added) at the static `start` (no index arrays: kernels
+    under custom_partitioning hold no constants)."""
+    if add:
+        limit = tuple(a + b for a, b in zip(start, update.shape))
+        update = update + lax.slice(x, start, limit)
+    return lax.dynamic_update_slice(x, update, start)
+
+
+def _whole(piece, query, key) -> bool:
+    return (piece.q_start, piece.q_stop, piece.kv_start, piece.kv_stop, piece.head_stop) == (
+        0, query.shape[1], 0, key.shape[1], 0)

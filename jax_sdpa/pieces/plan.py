@@ -1,0 +1,198 @@
+"""A description's kept keys (pieces/intervals.py) cut into Pieces: for each slot of each row
+range where a range's ends move with the rows at slope 0 or 1, one rectangle our dense target
+runs with a band of its own:
+
+    ends fixed           dense                     keys lo..hi
+    hi moves             causal from the corner    bottom-right (top-left where square)
+    both move            a band ending on the      bottom-right, left bound hi - lo
+                         diagonal
+    lo moves             keys from the diagonal    top-left, left bound 0
+                         on
+
+Rows a piece covers see a key of it; pieces of the same rows are merged by log-sum-exp; rows no
+piece covers see no key. The forward may instead run a native band whole (one call) where
+cuDNN's forward skips its tiles and its backward does not (a window bounded on both sides).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from jax_sdpa.call.spec import Piece
+from jax_sdpa.pieces import intervals
+
+MAX_PIECES = 16  # per direction: each piece is a kernel call and copies of its rows
+
+
+class Plan(NamedTuple):
+    forward: tuple
+    backward: tuple
+    # the work each direction's pieces do, as a share of the dense call's
+    forward_share: float
+    backward_share: float
+
+
+def skips_tiles(piece: Piece, backward: bool) -> bool:
+    """Whether cuDNN's kernels compute only the tiles a piece's band keeps. Measured on cuDNN
+    9.19 (docs/runs/bands): bands ending on a diagonal (causal, from either corner, with or
+    without a left bound) skip tiles both ways; a band with a right bound off the diagonal, or
+    a left bound alone, skips them only in the forward."""
+    if piece.window_left < 0 and piece.window_right < 0:
+        return False  # dense: nothing to skip
+    return piece.window_right == 0 or not backward
+
+
+def kept(piece: Piece) -> int:
+    """The scores a piece keeps per query head (its band within its rectangle)."""
+    rows = np.arange(piece.q_stop - piece.q_start)[:, None]
+    keys = piece.kv_stop - piece.kv_start
+    diagonal = rows + (keys - (piece.q_stop - piece.q_start) if piece.bottom_right else 0)
+    low = 0 if piece.window_left < 0 else np.maximum(diagonal - piece.window_left, 0)
+    high = keys - 1 if piece.window_right < 0 else np.minimum(diagonal + piece.window_right,
+                                                              keys - 1)
+    return int(np.maximum(high - low + 1, 0).sum())
+
+
+def work(piece: Piece, backward: bool, q_heads: int) -> int:
+    """The scores a piece's kernel computes, over its query heads."""
+    heads = q_heads if piece.head_stop == 0 else piece.head_stop - piece.head_start
+    if skips_tiles(piece, backward):
+        return kept(piece) * heads
+    return (piece.q_stop - piece.q_start) * (piece.kv_stop - piece.kv_start) * heads
+
+
+@functools.lru_cache(maxsize=64)
+def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> Plan | str:
+    """The description's pieces at these sizes (static, cached per description and shape), or
+    why it does not run as pieces."""
+    kept_keys = intervals.of_mask(mask, q_seq_len, kv_seq_len)
+    if kept_keys is None:
+        return ("its keys depend on arrays known only when the call runs (documents, or a "
+                "traced or batch-dependent mask)")
+    pieces = cut(kept_keys, q_heads, kv_heads)
+    if pieces is None:
+        return f"it cuts into more than {MAX_PIECES} pieces"
+    forward = backward = tuple(pieces)
+    cost = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
+                             q_heads=q_heads)
+    band = _native_band(mask, q_seq_len, kv_seq_len)
+    if band is not None:  # one call of the band, where its tiles are skipped
+        whole = (band,)
+        if cost(whole, False) <= cost(forward, False):
+            forward = whole
+        if cost(whole, True) <= cost(backward, True):
+            backward = whole
+        if forward == backward == whole:
+            return "cuDNN's own band skips its tiles both ways"
+    return Plan(forward, backward, cost(forward, False), cost(backward, True))
+
+
+def share(pieces, backward: bool, q_seq_len, kv_seq_len, q_heads) -> float:
+    """The work of pieces as a share of the dense call's."""
+    return sum(work(p, backward, q_heads) for p in pieces) / (q_seq_len * kv_seq_len * q_heads)
+
+
+def _native_band(mask, q_seq_len, kv_seq_len) -> Piece | None:
+    """The whole call as one piece with cuDNN's band, where the description is one."""
+    native = mask.native()
+    if native is None or set(native) - {"is_causal", "local_window_size"}:
+        return None
+    left, right = native.get("local_window_size", (-1, -1))
+    if native.get("is_causal"):
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0 and q_seq_len > kv_seq_len:
+        return None  # cuDNN's left bound needs T <= S (limits/dense.diagonal_band)
+    return Piece(0, q_seq_len, 0, kv_seq_len, window_left=left, window_right=right)
+
+
+def cut(kept_keys: intervals.Intervals, q_heads: int, kv_heads: int) -> list[Piece] | None:
+    """The pieces of every head group's slots, or None past MAX_PIECES."""
+    pieces = []
+    for head_start, head_stop in _head_groups(kept_keys, q_heads, kv_heads):
+        lo, hi = kept_keys.lo[head_start], kept_keys.hi[head_start]
+        heads = (0, 0) if kept_keys.heads == 1 else (head_start, head_stop)
+        for slot in range(lo.shape[-1]):
+            for run in _runs(lo[:, slot], hi[:, slot]):
+                pieces.append(_piece(*run, *heads))
+                if len(pieces) > MAX_PIECES:
+                    return None
+    return pieces
+
+
+def _head_groups(kept_keys, q_heads, kv_heads):
+    """[start, stop) of consecutive query heads keeping the same keys, each within one group of
+    heads sharing a key/value head or made of whole groups (so a piece slices K and V too)."""
+    if kept_keys.heads == 1:
+        return [(0, q_heads)]
+    group = q_heads // kv_heads
+    same = [np.array_equal(kept_keys.lo[h], kept_keys.lo[h - 1]) and
+            np.array_equal(kept_keys.hi[h], kept_keys.hi[h - 1]) for h in range(1, q_heads)]
+    starts = [0] + [h for h in range(1, q_heads) if not same[h - 1]] + [q_heads]
+    groups = []
+    for start, stop in zip(starts, starts[1:]):
+        if start // group != (stop - 1) // group and (start % group or stop % group):
+            cuts = sorted({start, stop, *range(-(-start // group) * group, stop, group)})
+            groups += list(zip(cuts, cuts[1:]))
+        else:
+            groups.append((start, stop))
+    return groups
+
+
+def _runs(lo, hi):
+    """(first row, stop row, lo, hi, lo's slope, hi's slope) of each maximal run of rows with a
+    range in this slot whose ends move by 0 or 1 per row, slopes fixed over the run."""
+    valid = lo <= hi
+    step_lo, step_hi = np.diff(lo), np.diff(hi)
+    steps_ok = valid[:-1] & valid[1:] & (step_lo >= 0) & (step_lo <= 1) & (step_hi >= 0) & (
+        step_hi <= 1)
+    row, rows = 0, len(lo)
+    while row < rows:
+        if not valid[row]:
+            following = np.flatnonzero(valid[row:])
+            if not len(following):
+                return
+            row += int(following[0])
+        first = row
+        slope_lo = slope_hi = 0
+        if row + 1 < rows and steps_ok[row]:
+            slope_lo, slope_hi = int(step_lo[row]), int(step_hi[row])
+            same = steps_ok[row:] & (step_lo[row:] == slope_lo) & (step_hi[row:] == slope_hi)
+            broken = np.flatnonzero(~same)
+            row += int(broken[0]) if len(broken) else len(same)
+        yield first, row + 1, int(lo[first]), int(hi[first]), slope_lo, slope_hi
+        row += 1
+
+
+def _piece(first, stop, lo, hi, slope_lo, slope_hi, head_start, head_stop) -> Piece:
+    rows = stop - first
+    last_hi = hi + slope_hi * (rows - 1)
+    heads = dict(head_start=head_start, head_stop=head_stop)
+    if slope_hi == 0:  # dense, or keys from the diagonal on
+        band = dict(window_left=0) if slope_lo else {}
+        return Piece(first, stop, lo, hi + 1, **band, **heads)
+    keys = last_hi + 1 - lo
+    band = dict(window_right=0, bottom_right=keys != rows)
+    if slope_lo:
+        band["window_left"] = hi - lo
+    return Piece(first, stop, lo, last_hi + 1, **band, **heads)
+
+
+def uncovered_rows(pieces, q_seq_len: int, q_heads: int) -> np.ndarray:
+    """bool [1, N, T]: the rows no piece covers (they see no key)."""
+    covered = np.zeros((1, q_heads, q_seq_len), bool)
+    for piece in pieces:
+        heads = slice(piece.head_start, piece.head_stop or q_heads)
+        covered[:, heads, piece.q_start:piece.q_stop] = True
+    return ~covered
+
+
+def describe(plan_: Plan) -> str:
+    """The pieces in words, for jax_sdpa.explain."""
+    def words(pieces, share):
+        calls = "one call" if len(pieces) == 1 else f"{len(pieces)} calls"
+        return f"{calls}, {share:.0%} of the dense work"
+    return (f"the mask cut into pieces: forward {words(plan_.forward, plan_.forward_share)}; "
+            f"backward {words(plan_.backward, plan_.backward_share)}")
