@@ -212,3 +212,35 @@ def test_a_single_query_is_planned_off_cudnn(kv_seq_len, monkeypatch):
     with pytest.raises(NotImplementedError, match="single query"):
         jax_sdpa.dot_product_attention(q, k, v, fp8=True, implementation="cudnn")
     assert fp8_limits.fp8_reason(128, 128, 2, kv_seq_len) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_framework_convention_at_unit_scales_stays_near_half_precision(dtype):
+    """JAX's FP8 training test's setting (every scale 1, inputs already representable in e4m3)
+    at the size where the reference once rounded a row's normalised weights and put one dq
+    element off by 4 from the half-precision attention: within that test's tolerances (output
+    atol = rtol = 0.5; dq, dk atol 3, rtol 0.5)."""
+    from jax_sdpa import fp8  # noqa: PLC0415
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    shape = (2, 128, 8, 128)
+    q, k, v, g = (jax.random.normal(key, shape, dtype).astype(jnp.float8_e4m3fn)
+                  for key in keys)
+    params = {name: jnp.ones((1, 1, 1, 1), jnp.float32) for name in fp8.FP8_PARAMS}
+
+    def ours(q, k, v, params):
+        return fp8.dot_product_attention(q, k, v, fp8_params=params, scale=1.0)
+    out, vjp = jax.vjp(jax.jit(ours), q, k, v, params)
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    grads = vjp((g, one, one))[:3]
+
+    def half(q, k, v):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v,
+                          preferred_element_type=jnp.float32).astype(dtype)
+    up = [x.astype(dtype) for x in (q, k, v, g)]
+    ref_out, ref_vjp = jax.vjp(jax.jit(half), *up[:3])
+    for got, want, atol in zip((out[0], *grads), (ref_out, *ref_vjp(up[3])), (0.5, 3, 3, 0.5)):
+        got, want = (np.asarray(x.astype(jnp.float32)) for x in (got, want))
+        assert np.all(np.abs(got - want) <= atol + 0.5 * np.abs(want))
