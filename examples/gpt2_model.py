@@ -21,8 +21,9 @@ def _jax_nn(implementation):
 
 
 def _jax_sdpa(q, k, v, segment_ids=None, **variants):
-    """variants: logits_soft_cap, sinks, fp8 (only jax_sdpa has them)."""
-    return jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
+    """variants: logits_soft_cap, sinks, fp8, a mask description holding the causality
+    (only jax_sdpa has them)."""
+    return jax_sdpa.dot_product_attention(q, k, v, is_causal="mask" not in variants,
                                           query_segment_ids=segment_ids, **variants)
 
 
@@ -48,8 +49,9 @@ class GPTConfig:
     sinks: bool = False  # a learned attention-sink logit per head (gpt-oss style)
     fp8: bool = False  # FP8 attention (jax_sdpa's fp8=True: e4m3 forward, e5m2 backward)
     alibi: bool = False  # ALiBi (jax_sdpa's alibi_slopes, the standard slopes) for positions
-    # A jax_sdpa.masks description beside causality: "window:W" (the last W + 1 keys),
-    # "global:G" (the first G tokens see and are seen by all), joined by "," as a union.
+    # A jax_sdpa.masks description (attention_mask): "window:W" (the last W + 1 keys),
+    # "global:G" (the first G tokens see and are seen by all), joined by "," as a union, causal
+    # besides; or "prefix:P" (a prefix LM).
     mask: str | None = None
     # Rows with segment ids hold at most this many documents (the data loader's promise): told
     # to jax_sdpa (max_segments, and max_document_length = seq_len), it runs one cuDNN plan
@@ -58,18 +60,27 @@ class GPTConfig:
 
 
 def attention_mask(spec: str):
-    """"window:W", "global:G" or both joined by "," (a union) as a jax_sdpa.masks
-    description; the attention is causal besides."""
+    """The whole mask as a jax_sdpa.masks description: "window:W", "global:G" or both joined
+    by "," (a union), causal besides; or "prefix:P" alone, a prefix LM (the first P tokens
+    see one another, causal after; next-token targets inside the prefix are then visible)."""
+    parts = spec.split(",")
+    sizes = []
+    for part in parts:
+        name, _, size = part.partition(":")
+        if name not in ("window", "global", "prefix") or not size.isdigit():
+            raise ValueError(f"a mask part is window:W, global:G or prefix:P, got {part!r}")
+        sizes.append((name, int(size)))
+    if any(name == "prefix" for name, _ in sizes):
+        if len(sizes) != 1:
+            raise ValueError("prefix:P stands alone (it replaces causality)")
+        return jax_sdpa.masks.prefix_lm(sizes[0][1])
     builders = {"window": lambda n: jax_sdpa.masks.sliding_window(n, 0),
                 "global": jax_sdpa.masks.global_tokens}
     mask = None
-    for part in spec.split(","):
-        name, _, size = part.partition(":")
-        if name not in builders or not size.isdigit():
-            raise ValueError(f"a mask part is window:W or global:G, got {part!r}")
-        built = builders[name](int(size))
+    for name, size in sizes:
+        built = builders[name](size)
         mask = built if mask is None else mask | built
-    return mask
+    return mask & jax_sdpa.masks.causal()
 
 
 class CausalSelfAttention(nnx.Module):

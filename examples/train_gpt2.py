@@ -9,6 +9,7 @@ attention through jax_sdpa (or jax.nn's paths, to compare).
     python examples/train_gpt2.py --fp8-attention --n-head 6     # FP8 attention, head_dim 128
     python examples/train_gpt2.py --alibi                        # ALiBi, no learned positions
     python examples/train_gpt2.py --mask global:16,window:256    # a jax_sdpa.masks description
+    python examples/train_gpt2.py --mask prefix:256              # a prefix LM
 
 Rows: "windows" (default) are random windows of the concatenated files; "packed" rows are
 windows too, but each file is a document of its own (segment ids: tokens attend within their
@@ -79,8 +80,9 @@ def parse_args(argv=None):
     parser.add_argument("--alibi", action="store_true",
                         help="ALiBi (jax_sdpa's alibi_slopes) instead of learned positions")
     parser.add_argument("--mask", default=None,
-                        help="a jax_sdpa.masks description beside causality: window:W, "
-                             "global:G or global:G,window:W (jax_sdpa)")
+                        help="a jax_sdpa.masks description: window:W, global:G or "
+                             "global:G,window:W (causal besides), or prefix:P (a prefix LM) "
+                             "(jax_sdpa)")
     parser.add_argument("--out-dir", default=None, help="default: runs/gpt2-<attention>-<time>")
     args = parser.parse_args(argv)
     if ((args.logits_soft_cap is not None or args.sinks or args.fp8 or args.alibi or

@@ -81,19 +81,21 @@ def test_train_gpt2_with_alibi(tmp_path):
     assert refused.returncode != 0 and "--alibi" in refused.stderr
 
 
-def test_train_gpt2_with_a_mask_description(tmp_path):
-    """--mask global:G,window:W trains (a jax_sdpa.masks union beside causality); a malformed
-    description is refused by name."""
-    result = run(str(ROOT / "examples/train_gpt2.py"), "--mask", "global:4,window:8", "--steps",
+@pytest.mark.parametrize("spec", ["global:4,window:8", "prefix:16"])
+def test_train_gpt2_with_a_mask_description(tmp_path, spec):
+    """--mask global:G,window:W (a jax_sdpa.masks union, causal besides) and prefix:P (a prefix
+    LM) train; a malformed description is refused by name."""
+    result = run(str(ROOT / "examples/train_gpt2.py"), "--mask", spec, "--steps",
                  "24", "--eval-every", "12", "--n-layer", "2", "--seq-len", "64", "--out-dir",
                  "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     log = json.loads((tmp_path / "out" / "log.json").read_text())
-    assert log["args"]["mask"] == "global:4,window:8"
+    assert log["args"]["mask"] == spec
     losses = [entry["loss"] for entry in log["train"]]
     assert losses[-1] < losses[0] - 1.0
-    refused = run(str(ROOT / "examples/train_gpt2.py"), "--mask", "stripes:3", "--steps", "1",
-                  cwd=tmp_path)
+    refused = run(str(ROOT / "examples/train_gpt2.py"), "--mask",
+                  {"global:4,window:8": "stripes:3", "prefix:16": "prefix:4,window:3"}[spec],
+                  "--steps", "1", cwd=tmp_path)
     assert refused.returncode != 0 and "--mask" in refused.stderr
 
 
