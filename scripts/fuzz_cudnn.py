@@ -130,9 +130,11 @@ def _programs(keywords):
 
 def describe(case) -> tuple[dict, dict]:
     """(the case's keywords, what the record says of them: text, programs, node counts)."""
+    from jax_sdpa.score_mod.program import graph_nodes  # noqa: PLC0415
+
     keywords, text = _keywords(case)
     programs = _programs(keywords)
-    nodes = None if programs is None else [p.count(";") for p in programs]
+    nodes = None if programs is None else [graph_nodes(p) for p in programs]
     return keywords, dict(text=text, programs=programs, nodes=nodes)
 
 
@@ -179,11 +181,14 @@ def run_case(case, keywords, result) -> dict:
                 errors={name: float(f"{e:.3g}") for name, e in errors.items()})
 
 
-def child(seed, indices, crash_at, probe):
+def child(seed, indices, crash_at, probe, node_limit):
     import faulthandler  # noqa: PLC0415
 
     faulthandler.enable()  # a crash's Python stack on stderr, which the parent keeps
     sys.path.insert(0, str(ROOT / "tests"))
+    if node_limit is not None:  # to learn where cuDNN fails, past the limit we run it to
+        from jax_sdpa.limits import dense  # noqa: PLC0415
+        dense.MAX_SCORE_MOD_INSTRUCTIONS = node_limit
     for index in indices:
         case = draw_case(seed, index, probe)
         keywords, described = describe(case)
@@ -201,7 +206,8 @@ def child(seed, indices, crash_at, probe):
 def _child_command(args, indices):
     return [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", "--seed",
             str(args.seed), "--indices", ",".join(map(str, indices)),
-            "--crash-at", str(args.crash_at)] + (["--probe"] if args.probe else [])
+            "--crash-at", str(args.crash_at)] + (["--probe"] if args.probe else []) + (
+                [] if args.node_limit is None else ["--node-limit", str(args.node_limit)])
 
 
 def _worker(args, indices, results: queue.Queue):
@@ -339,13 +345,16 @@ def main():
     parser.add_argument("--out", default="/tmp/fuzz")
     parser.add_argument("--probe", action="store_true",
                         help="run the named cases (PROBES) instead of random ones")
+    parser.add_argument("--node-limit", type=int, default=None,
+                        help="run score_mods up to this many nodes on cuDNN (default: "
+                             "limits/dense.MAX_SCORE_MOD_INSTRUCTIONS): to learn where it fails")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--indices", default="", help=argparse.SUPPRESS)
     parser.add_argument("--crash-at", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.seed, [int(i) for i in args.indices.split(",") if i], args.crash_at,
-              args.probe)
+              args.probe, args.node_limit)
         return 0
     return parent(args)
 

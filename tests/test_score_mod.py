@@ -193,6 +193,30 @@ def test_long_programs_stay_off_cudnn_by_name(cudnn_score_mods):
         q, q, q, score_mod=mod, implementation="xla"), np.float32)).all()
 
 
+@pytest.mark.parametrize("name", ["global | window", "window per head"])
+def test_the_programs_that_crashed_cudnn_are_refused_before_it(cudnn_score_mods, name):
+    """The two mask programs that killed the process while cuDNN 9.19 built their backward
+    graph (27 and 31 nodes with their derivatives and conversions; tests/test_gpu_score_mod.py's
+    sizes, and B = 1, T = S = 8192, 16 heads of 128 for the first) are refused by name as
+    score_mods; as mask descriptions they run in pieces, which hold no score_mod."""
+    mask = {"global | window": jax_sdpa.masks.global_tokens(4) |
+            jax_sdpa.masks.sliding_window(16, 0),
+            "window per head": jax_sdpa.masks.sliding_window((0, 8, 32, 100), (0, 0, 4, 0))}[name]
+    shapes = [((2, 192, 4, 64), (2, 256, 2, 64))]
+    if name == "global | window":
+        mask = jax_sdpa.masks.global_tokens(64) | (jax_sdpa.masks.causal() &
+                                                   jax_sdpa.masks.sliding_window(1024))
+        shapes.append(((1, 8192, 16, 128), (1, 8192, 16, 128)))
+    for q_shape, kv_shape in shapes:
+        q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)
+        refused = jax_sdpa.explain(q, kv, kv, score_mod=jax_sdpa.masks.as_score_mod(mask),
+                                   implementation="cudnn")
+        assert refused.startswith("refused:") and "backward graph" in refused, refused
+        planned = jax_sdpa.explain(q, kv, kv, mask=mask, implementation="cudnn")
+        assert "the mask cut into" in planned and "score_mod" not in planned, planned
+
+
 def test_float_comparisons_stay_off_cudnn_by_name(cudnn_score_mods):
     """cuDNN's score-modifier kernels find no engine for a comparison of float32 values
     (measured on 9.19): refused by name, as are functions whose derivative compares."""

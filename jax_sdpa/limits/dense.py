@@ -14,9 +14,11 @@ MAX_HEAD_DIM = 256
 MIN_SOFT_CAP_CUDNN_VERSION = 90400  # cuDNN 9.4: score modifiers (soft-capping) in SDPA graphs
 MIN_SOFT_CAP_BACKWARD_CAPABILITY = (9, 0)  # their backward: Hopper and newer
 MAX_SCORE_MOD_TABLES = 32  # a score modifier's tables (ffi/graph/sdpa_config.h)
-# A score modifier's pointwise nodes per program. Measured on cuDNN 9.19 (H100): programs of 21
-# nodes run right; one of 38 (an integer floor division plus a floor remainder) killed the
-# process inside cuDNN. Longer ones stay on the reference path.
+# A score modifier's pointwise nodes in cuDNN's backward graph (the forward's program, the
+# derivative's and their conversions: ScoreModProgram.instructions). Measured on cuDNN 9.19
+# (H100): graphs of up to 23 such nodes ran right; 27 (windows per head), 31 (global tokens |
+# a window) and 38 (an integer floor division plus a floor remainder) killed the process while
+# cuDNN built the backward graph, the forward alone (16) running. Larger ones stay off cuDNN.
 MAX_SCORE_MOD_INSTRUCTIONS = 24
 
 
@@ -49,9 +51,10 @@ def score_mod_reason(call) -> str | None:
                 "array indexed by batch): cuDNN's score-modifier graphs read values of the head "
                 "alone")
     if program.instructions > MAX_SCORE_MOD_INSTRUCTIONS:
-        return (f"score_mod becomes {program.instructions} pointwise nodes; cuDNN's "
-                f"score-modifier kernels are run here up to {MAX_SCORE_MOD_INSTRUCTIONS} (longer "
-                f"ones were measured to crash cuDNN 9.19)")
+        return (f"score_mod becomes {program.instructions} pointwise nodes in cuDNN's backward "
+                f"graph (its program and its derivative's); cuDNN's score-modifier graphs are "
+                f"run here up to {MAX_SCORE_MOD_INSTRUCTIONS} (27 and more were measured to "
+                f"crash cuDNN 9.19 while it built the backward graph)")
     if program.table_count > MAX_SCORE_MOD_TABLES:
         return (f"score_mod reads {program.table_count} values of the batch and head; cuDNN's "
                 f"graph takes at most {MAX_SCORE_MOD_TABLES}")

@@ -59,8 +59,20 @@ class ScoreModProgram:
 
     @property
     def instructions(self) -> int:
-        """The longer program's count of pointwise nodes."""
-        return max(program.count(";") for program in (self.forward, self.backward))
+        """The pointwise nodes cuDNN's backward graph holds for the modifier, the most any graph
+        of the call holds: the forward's program, the derivative's, and the int32 conversion
+        ffi/graph/score_mod.cc puts before each boolean operand of LOGICAL_AND / LOGICAL_OR."""
+        return sum(graph_nodes(program) for program in (self.forward, self.backward))
+
+
+def graph_nodes(program: str) -> int:
+    """The pointwise nodes one program becomes in cuDNN's graph (its instructions and the
+    conversions of logical operations' boolean operands)."""
+    items = [item.split() for item in program.split(";")[:-1]]
+    converted = sum(1 for item in items if item[1] in ("LOGICAL_AND", "LOGICAL_OR")
+                    for operand in item[2:]
+                    if operand.startswith("%") and items[int(operand[1:])][0] == "b")
+    return len(items) + converted
 
 
 @dataclasses.dataclass(eq=False)
