@@ -22,10 +22,9 @@ MODS = {
     "alibi": dict(alibi_slopes=jax_sdpa.alibi_slopes(N)),
     "alibi per batch": dict(alibi_slopes=jnp.linspace(0.05, 0.5, B * N,
                                                       dtype=jnp.float32).reshape(B, N)),
-    "soft-cap as score_mod": dict(score_mod=lambda s, b, h, q, k: 5.0 * jnp.tanh(s / 5.0)),
     "relative buckets": dict(score_mod=lambda s, b, h, q, k: s + jnp.where(
         jnp.abs(q - k) < 8, TABLE[h], jnp.where(jnp.abs(q - k) < 64, 0.5 * TABLE[h], -1.0))),
-    "head table times score": dict(score_mod=lambda s, b, h, q, k: s * (1.0 + 0.25 * TABLE[h])),
+    "head table plus a term": dict(score_mod=lambda s, b, h, q, k: s + TABLE[h] * (q - k) / 64.0),
     # int32 floor division (JAX's floor on top of cuDNN's division), float to int
     "integer division": dict(score_mod=lambda s, b, h, q, k: s + 0.05 * ((q - k) // 7)),
     "float to int": dict(score_mod=lambda s, b, h, q, k: s + 0.25 * (s * 1.7).astype(jnp.int32)),
@@ -151,6 +150,19 @@ def test_differentiating_closed_over_arrays_names_stop_gradient():
     assert np.isfinite(jax.grad(lambda s: jax_sdpa.dot_product_attention(
         q, k, v, implementation="xla", alibi_slopes=s).astype(jnp.float32).sum())(
             jax_sdpa.alibi_slopes(N))).all()
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q, k: 5.0 * jnp.tanh(s / 5.0),
+                                 lambda s, b, h, q, k: s * (1.0 + 0.25 * TABLE[h]),
+                                 lambda s, b, h, q, k: -1.9 * s],
+                         ids=["soft-cap as score_mod", "head table times score", "negated"])
+def test_modifiers_that_scale_the_score_are_refused_by_name(mod):
+    """cuDNN 9.19's score-modifier backward gave non-finite or unwritten gradients where the
+    derivative is not the incoming gradient (GPU fuzz, 2026-12-06): refused before cuDNN
+    sees them; the reference path runs them (logits_soft_cap is cuDNN's own soft-cap)."""
+    q, k, v, _ = random_qkv(8, B, T, S, N, K, H, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="derivative"):
+        jax_sdpa.dot_product_attention(q, k, v, implementation="cudnn", score_mod=mod)
 
 
 def test_what_cudnn_cannot_express_is_named():

@@ -85,14 +85,16 @@ EXAMPLES = {
         call(fp8=True, head_dim=72), call(fp8=True, head_dim=64, value_head_dim=128)],
     "fp8=True with a single query (T = 1)": [
         call(fp8=True, head_dim=128, q_seq=1, kv_seq=1), call(fp8=True, head_dim=128, q_seq=1)],
-    "score_mod, alibi_slopes (cuDNN ≥ 9.4, its backward on Hopper or newer; no gradient to "
-    "closed-over arrays)": [
-        call(score_mod=lambda s, b, h, i, j: s * 0.5),
+    "score_mod adding a term to the score or masking it, alibi_slopes (cuDNN ≥ 9.4, its "
+    "backward on Hopper or newer; no gradient to closed-over arrays)": [
+        call(score_mod=lambda s, b, h, i, j: s + 0.5 * (i - j).astype(jnp.float32)),
         call(alibi_slopes=jnp.ones((N,), jnp.float32), is_causal=True),
         call(alibi_slopes=jnp.ones((N,), jnp.float32), **LENGTHS)],
-    "score_mod comparing float32 values (also relu, abs or max of the score), of more than 24 "
-    "nodes, with operations cuDNN's pointwise nodes lack (e.g. bitwise, indexing by position), "
-    "or with values that vary with the batch (alibi_slopes [B, N] with B > 1)": [
+    "score_mod scaling or transforming the score (e.g. s * 0.5, tanh), comparing float32 "
+    "values (also relu, abs or max of the score), of more than 24 nodes with its derivative, "
+    "with operations cuDNN's pointwise nodes lack (e.g. bitwise, indexing by position), or with "
+    "values that vary with the batch (alibi_slopes [B, N] with B > 1)": [
+        call(score_mod=lambda s, b, h, i, j: s * 0.5),
         call(score_mod=lambda s, b, h, i, j: s + (i & 1)),
         call(score_mod=lambda s, b, h, i, j: jnp.maximum(s, 0.0)),
         call(alibi_slopes=jnp.ones((B, N), jnp.float32), **LENGTHS)],

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jax_sdpa.cudnn import extension
 from jax_sdpa.limits import device, packed
-from jax_sdpa.score_mod.program import UnsupportedScoreMod
+from jax_sdpa.score_mod.program import UnsupportedScoreMod, passes_the_gradient_on
 
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
@@ -50,6 +50,14 @@ def score_mod_reason(call) -> str | None:
         return ("score_mod reads values that vary with the batch (alibi_slopes [B, N] or an "
                 "array indexed by batch): cuDNN's score-modifier graphs read values of the head "
                 "alone")
+    if not passes_the_gradient_on(program.backward):
+        # Measured on cuDNN 9.19 (H100, scripts/fuzz_cudnn.py): where the derivative scaled the
+        # gradient (s * -1.9, s * q, s * h, TAB / (1.5 + s * s), ...) or dropped it (a term of
+        # the key alone), cuDNN's backward gave non-finite or unwritten gradients; additive
+        # modifiers and masks ran right.
+        return ("score_mod's derivative is not the incoming gradient itself or masked (the "
+                "score plus a term, or -inf where a key is hidden): cuDNN 9.19's score-modifier "
+                "backward was measured wrong for modifiers that scale or transform the score")
     if program.instructions > MAX_SCORE_MOD_INSTRUCTIONS:
         return (f"score_mod becomes {program.instructions} pointwise nodes in cuDNN's backward "
                 f"graph (its program and its derivative's); cuDNN's score-modifier graphs are "

@@ -55,9 +55,9 @@ def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
     return None
 
 
-# Whether an FP8 call may take cuDNN's half-precision backward (half_backward_reason). Off until
-# tests/test_gpu_fp8.py::test_half_backward* pass on a GPU (they turn it on for themselves).
-HALF_BACKWARD_ON_CUDNN = False
+# Whether an FP8 call may take cuDNN's half-precision backward (half_backward_reason): on since
+# tests/test_gpu_fp8.py::test_half_backward* passed on an H100 (cuDNN 9.19, 2026-12-06).
+HALF_BACKWARD_ON_CUDNN = True
 
 
 def half_backward_reason(q_heads, kv_heads, fp8_backward: str | None) -> str | None:

@@ -65,6 +65,24 @@ class ScoreModProgram:
         return sum(graph_nodes(program) for program in (self.forward, self.backward))
 
 
+def passes_the_gradient_on(derivative: str) -> bool:
+    """Whether a derivative program only passes the incoming gradient g on: as it is (a score
+    plus a term), masked (selected against 0), or sums of those (a select's two cases)."""
+    items = [item.split() for item in derivative.split(";")]
+    carried = {"g"}  # g, masked
+    for index, (_, mode, *operands) in enumerate(items[:-1]):
+        if not carried.intersection(operands):
+            continue  # a predicate's computation
+        first, rest = operands[0], operands[1:]
+        masked = (mode == "BINARY_SELECT" and first in carried and rest[0] == _ZERO.token and
+                  rest[1] not in carried)
+        summed = mode == "ADD" and all(operand in carried for operand in operands)
+        if not (masked or summed):
+            return False
+        carried.add(f"%{index}")
+    return items[-1][0][1:] in carried
+
+
 def graph_nodes(program: str) -> int:
     """The pointwise nodes one program becomes in cuDNN's graph (its instructions and the
     conversions of logical operations' boolean operands)."""
