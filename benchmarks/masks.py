@@ -52,8 +52,9 @@ def mask_set(seq: int, heads: int = 16) -> dict:
     }
 
 
-def implementations(seq: int) -> dict:
-    """(name, mask name or None) -> attention(q, k, v, causal)."""
+def implementations(seq: int, jax_nn: bool = True) -> dict:
+    """(name, mask name or None) -> attention(q, k, v, causal); jax_nn=False leaves jax.nn's
+    boolean-mask rows out (their cost is the dense one whatever the mask)."""
     found = {("jax_sdpa dense", None): lambda q, k, v, causal: jax_sdpa.dot_product_attention(
         q, k, v, implementation="cudnn")}
     try:
@@ -64,9 +65,10 @@ def implementations(seq: int) -> dict:
         boolean = mask.to_boolean(seq, seq)
         found[("jax_sdpa", name)] = (
             lambda q, k, v, causal, mask=mask: jax_sdpa.dot_product_attention(q, k, v, mask=mask))
-        found[("jax.nn cudnn", name)] = (
-            lambda q, k, v, causal, boolean=boolean: jax.nn.dot_product_attention(
-                q, k, v, mask=boolean, implementation="cudnn"))
+        if jax_nn:
+            found[("jax.nn cudnn", name)] = (
+                lambda q, k, v, causal, boolean=boolean: jax.nn.dot_product_attention(
+                    q, k, v, mask=boolean, implementation="cudnn"))
         if flash_mha is not None and flash_window is not None:
             window, is_causal = flash_window
             found[("flash-attn3-jax", name)] = (
@@ -98,12 +100,12 @@ def intervals_density(mask, seq) -> float:
     return float(lengths.mean() / seq)
 
 
-def bench(seq: int, rounds: int) -> list[dict]:
+def bench(seq: int, rounds: int, jax_nn: bool = True) -> list[dict]:
     config = Config(f"d128-s{seq // 1024}k", 1, seq, 16, 16, 128, jnp.bfloat16, False)
     inputs = make_inputs(config, seed=0)
     densities = {name: float(intervals_density(mask, seq))
                  for name, (mask, _) in mask_set(seq).items()}
-    fns = {(impl, mode): fn for impl, attention in implementations(seq).items()
+    fns = {(impl, mode): fn for impl, attention in implementations(seq, jax_nn).items()
            for mode, fn in timed_functions(attention, False).items()}
     first = first_calls(fns, inputs)
     rows = [dict(config=config.name, impl=name, mask=mask, mode=mode, ms=float("nan"),
@@ -137,11 +139,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, action="append", default=[])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-jax-nn", action="store_true",
+                        help="leave out jax.nn's boolean-mask rows")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     rows = []
     for seq in args.seq or [8192, 32768]:
-        rows += bench(seq, args.rounds)
+        rows += bench(seq, args.rounds, jax_nn=not args.no_jax_nn)
     header = (f"Masks, cuDNN {jax_sdpa.cudnn_version()}, {jax.devices()[0].device_kind}, "
               f"{args.rounds} rounds")
     write_markdown(args.out, "masks.md", header, markdown(rows))

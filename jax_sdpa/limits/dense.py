@@ -20,6 +20,7 @@ MAX_SCORE_MOD_TABLES = 32  # a score modifier's tables (ffi/graph/sdpa_config.h)
 # a window) and 38 (an integer floor division plus a floor remainder) killed the process while
 # cuDNN built the backward graph, the forward alone (16) running. Larger ones stay off cuDNN.
 MAX_SCORE_MOD_INSTRUCTIONS = 24
+MAX_MASKING_SCORE_MOD_KEYS_FOR_ONE_QUERY = 130
 
 
 def kernel_reason(dtype, head_dims) -> str | None:
@@ -58,6 +59,13 @@ def score_mod_reason(call) -> str | None:
         return ("score_mod's derivative is not the incoming gradient itself or masked (the "
                 "score plus a term, or -inf where a key is hidden): cuDNN 9.19's score-modifier "
                 "backward was measured wrong for modifiers that scale or transform the score")
+    if "c-inf" in program.forward and call.query.shape[1] == 1 and (
+            call.key.shape[1] > MAX_MASKING_SCORE_MOD_KEYS_FOR_ONE_QUERY):
+        # Measured on cuDNN 9.19 (H100, scripts/fuzz_cudnn.py): a score_mod hiding keys gave
+        # wrong outputs for one query against 300 keys (right up to 130, and without -inf).
+        return (f"score_mod hides keys (-inf) of a single query against more than "
+                f"{MAX_MASKING_SCORE_MOD_KEYS_FOR_ONE_QUERY} keys (S={call.key.shape[1]}): "
+                f"cuDNN 9.19 was measured wrong there")
     if program.instructions > MAX_SCORE_MOD_INSTRUCTIONS:
         return (f"score_mod becomes {program.instructions} pointwise nodes in cuDNN's backward "
                 f"graph (its program and its derivative's); cuDNN's score-modifier graphs are "

@@ -75,6 +75,8 @@ def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> 
     pieces = cut(kept_keys, q_heads, kv_heads)
     if pieces is None:
         return f"it cuts into more than {MAX_PIECES} pieces"
+    if not pieces:
+        return "it keeps no key"  # (every row is the mean of the values: the other routes)
     forward = backward = tuple(pieces)
     cost = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
                              q_heads=q_heads)
