@@ -21,6 +21,9 @@ from jax_sdpa.limits import pieces as limits
 from jax_sdpa.reference import kernel as reference_kernel
 
 
+_NO_WEIGHT = 1e30  # a padding row's lse: exp(score - lse) is 0 for every score
+
+
 def merge(out, lse, block_out, block_lse):
     """Two partial results of the same query rows as one (out [B, t, N, Hv], lse [B, N, t],
     float32), weighted by their log-sum-exps; out None: the block alone."""
@@ -34,10 +37,28 @@ def merge(out, lse, block_out, block_lse):
 
 
 def piece_spec(spec, piece):
-    """The call's spec for one piece: its band, no pieces."""
+    """The call's spec for one piece: its band, top-left (a bottom-right piece runs padded:
+    _padding), no pieces."""
     return dataclasses.replace(spec, pieces=(), backward_pieces=(),
                                window_left=piece.window_left, window_right=piece.window_right,
-                               bottom_right=piece.bottom_right)
+                               bottom_right=False)
+
+
+def _padding(piece) -> int:
+    """Rows put before a bottom-right piece's queries so that it runs top-left on a square:
+    cuDNN 9.19's backward skips tiles for a band ending on the top-left diagonal of T = S
+    alone (benchmarks.bands on an H100: a bottom-right causal band of S - T = S/4 took more
+    than the dense rectangle, the same band square and top-left its share)."""
+    return (piece.kv_stop - piece.kv_start) - (piece.q_stop - piece.q_start) if (
+        piece.bottom_right) else 0
+
+
+def _pad_rows(x, pad, axis=1, value=0.0):
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (pad, 0)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def _where(piece, q_heads, kv_heads):
@@ -62,9 +83,11 @@ def forward(spec, inputs):
     covered = np.zeros((q_heads, q_seq_len), bool)  # rows an earlier piece wrote
     for piece in spec.pieces:
         rows, keys, heads, kv_heads = _where(piece, q_heads, value.shape[2])
-        piece_out, piece_lse = dense.forward(_sliced(inputs, rows, keys, heads, kv_heads),
-                                             piece_spec(spec, piece))
-        piece_out = piece_out.astype(jnp.float32)
+        sliced, pad = _sliced(inputs, rows, keys, heads, kv_heads), _padding(piece)
+        sliced["query"] = _pad_rows(sliced["query"], pad)
+        piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, piece))
+        piece_out = piece_out[:, pad:].astype(jnp.float32)  # the padding rows' results go
+        piece_lse = piece_lse[..., pad:]
         if covered[heads, rows].any():
             piece_out, piece_lse = merge(out[:, rows, heads], lse[:, heads, rows], piece_out,
                                          piece_lse)
@@ -93,7 +116,14 @@ def backward(spec, inputs, output, lse, d_output):
                 spec.scale, spec.logits_soft_cap, sliced["query"], sliced["key"],
                 sliced["value"], given[0], given[1], given[2], _keep(piece))
         else:
+            # Padding rows pass nothing back: zero output and cotangent, and an lse no score
+            # reaches (their weights exp(S - lse) are 0).
+            pad = _padding(piece)
+            sliced["query"] = _pad_rows(sliced["query"], pad)
+            given = (_pad_rows(given[0], pad), _pad_rows(given[1], pad, axis=2, value=_NO_WEIGHT),
+                     _pad_rows(given[2], pad))
             shares = dense.backward(sliced, *given, piece_spec(spec, piece))[:3]
+            shares = (shares[0][:, pad:], *shares[1:])
         for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
                                                  (keys, kv_heads)), shares)):
             grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0),

@@ -36,13 +36,17 @@ class Plan(NamedTuple):
 
 
 def skips_tiles(piece: Piece, backward: bool) -> bool:
-    """Whether cuDNN's kernels compute only the tiles a piece's band keeps. Measured on cuDNN
-    9.19 (docs/runs/bands): bands ending on a diagonal (causal, from either corner, with or
-    without a left bound) skip tiles both ways; a band with a right bound off the diagonal, or
-    a left bound alone, skips them only in the forward."""
+    """Whether cuDNN's kernels compute only the tiles a piece's band keeps, as the pieces run
+    (jax_sdpa/kernels/pieces.py runs a bottom-right piece top-left on a square, its padding
+    rows first). Measured on an H100, cuDNN 9.19 (docs/runs/bands-2026-12-06.md): a band
+    ending on the top-left diagonal of a square (causal, with or without a left bound) and a
+    left bound alone skip tiles both ways; bands with a right bound off that diagonal
+    (bottom-right ones of S > T included) skip them only forward."""
     if piece.window_left < 0 and piece.window_right < 0:
         return False  # dense: nothing to skip
-    return piece.window_right == 0 or not backward
+    if piece.window_right == 0 or (piece.window_left >= 0 and piece.window_right < 0):
+        return True
+    return not backward
 
 
 def kept(piece: Piece) -> int:
@@ -57,9 +61,14 @@ def kept(piece: Piece) -> int:
 
 
 def work(piece: Piece, backward: bool, q_heads: int) -> int:
-    """The scores a piece's kernel computes, over its query heads."""
+    """The scores a piece's kernel computes, over its query heads (a bottom-right piece's
+    padding rows included)."""
     heads = q_heads if piece.head_stop == 0 else piece.head_stop - piece.head_start
     if skips_tiles(piece, backward):
+        if piece.bottom_right:  # run top-left on a square, padding rows first
+            keys = piece.kv_stop - piece.kv_start
+            piece = piece._replace(q_start=0, q_stop=keys, kv_start=0, kv_stop=keys,
+                                   bottom_right=False)
         return kept(piece) * heads
     return (piece.q_stop - piece.q_start) * (piece.kv_stop - piece.kv_start) * heads
 
