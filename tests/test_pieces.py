@@ -212,3 +212,26 @@ def test_pieces_under_batch_and_head_sharding(cudnn):
     single = jax.jit(step)(q, k, v, d_out)
     for a, b in zip(sharded, single):  # bf16 rounds where XLA fuses differently per shard
         assert relative_error(a, b) < 5e-3
+
+
+def test_pieces_by_head_under_head_sharding(cudnn):
+    """Windows per head cut the heads: heads sharded over the mesh are gathered for the call
+    (the pieces name global heads), and the result is the single device's."""
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    heads = 2 * n
+    q, k, v, d_out = random_qkv(10, 1, 23, 23, heads, heads, 64, jnp.bfloat16)
+    mask = masks.causal() & masks.sliding_window(tuple(2 + (h // 2) % 3 for h in range(heads)))
+    assert "the mask cut into" in jax_sdpa.explain(q, k, v, mask=mask, implementation="cudnn")
+
+    def step(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, mask=mask, implementation="cudnn"), q, k, v)
+        return (out, *vjp(d_out))
+    spec = NamedSharding(mesh, P(None, None, "model"))
+    sharded = jax.jit(step, in_shardings=(spec,) * 4)(q, k, v, d_out)
+    single = jax.jit(step)(q, k, v, d_out)
+    ref = reference_gradients(lambda q, k, v: jax_sdpa.dot_product_attention(
+        q, k, v, mask=mask.to_boolean(23, 23), implementation="xla"), q, k, v, d_out)
+    for a, b, r in zip(sharded, single, ref):
+        assert relative_error(a, b) < 5e-3 and relative_error(a, r) < 2e-2

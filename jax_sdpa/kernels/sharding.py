@@ -44,16 +44,22 @@ def _factors(config: CallSpec, groups: int):
             "score_mod_tables": f"b score_mod_table {heads}"}
 
 
+def _pieces_by_head(config) -> bool:
+    """Whether the call's pieces (kernels/pieces.py) cut the heads: they name global heads, so
+    the heads stay whole on each device."""
+    return any(piece.head_stop for piece in config.pieces + config.backward_pieces)
+
+
 def _rule(config, groups, inputs, outputs):
     factors = _factors(config, groups)
     rule = (", ".join(factors[n] for n in inputs) + " -> " +
             ", ".join(factors[n] for n in outputs))
     used = list(dict.fromkeys(
         rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()))
+    whole = ("t", "s", "h", "hv", "seed", "bias_b", "bias_n", "fp8_factor", "fp8_row", "amax",
+             "amax_row", "score_mod_table") + (("k", "g") if _pieces_by_head(config) else ())
     # In order of first appearance: Shardy wants special factors sorted by index.
-    replicated = tuple(f for f in used if f in ("t", "s", "h", "hv", "seed", "bias_b", "bias_n",
-                                                "fp8_factor", "fp8_row", "amax", "amax_row",
-                                                "score_mod_table"))
+    replicated = tuple(f for f in used if f in whole)
     sizes = {"g": groups} if groups > 1 else {}
     return rule, replicated, sizes
 
@@ -116,6 +122,8 @@ def _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias):
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = _shard_axes(mesh, arg_shapes)
+        if _pieces_by_head(config):
+            head_axes = None
         specs = _specs(config, batch_axes, head_axes)
         sharded_axes = _as_tuple(batch_axes) + _as_tuple(head_axes)
         # A bias shared by the shards of an axis gets its gradient summed over that axis.
