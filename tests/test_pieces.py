@@ -235,3 +235,15 @@ def test_pieces_by_head_under_head_sharding(cudnn):
         q, k, v, mask=mask.to_boolean(23, 23), implementation="xla"), q, k, v, d_out)
     for a, b, r in zip(sharded, single, ref):
         assert relative_error(a, b) < 5e-3 and relative_error(a, r) < 2e-2
+
+
+def test_one_piece_from_the_bottom_right_corner_backward(cudnn):
+    """A description that is one piece over every row and key, causal from the bottom-right
+    corner (T < S): its backward runs padded top-left too, as its forward does."""
+    mask = masks.prefix_lm(0) | masks.sliding_window(3, 5)
+    (piece,) = pieces_plan.plan(mask, 7, 12, 2, 2).backward
+    assert piece.bottom_right and (piece.q_stop, piece.kv_stop) == (7, 12)
+    ours, reference, (q, k, v, d_out) = _run(lambda t: mask, (1, 7, 12, 2, 2))
+    out, vjp = jax.vjp(jax.jit(ours), q, k, v)
+    for a, b in zip((out, *vjp(d_out)), reference_gradients(reference, q, k, v, d_out)):
+        assert relative_error(a, b) < 2e-2

@@ -155,5 +155,6 @@ def _put(x, start, update, add=False):
 
 
 def _whole(piece, query, key) -> bool:
-    return (piece.q_start, piece.q_stop, piece.kv_start, piece.kv_stop, piece.head_stop) == (
-        0, query.shape[1], 0, key.shape[1], 0)
+    """Whether the piece is the whole call as it stands (no slice, no padding rows)."""
+    return (piece.q_start, piece.q_stop, piece.kv_start, piece.kv_stop, piece.head_stop,
+            _padding(piece)) == (0, query.shape[1], 0, key.shape[1], 0, 0)
