@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdpa
-from benchmarks.attention import CALLS, interleaved_rounds, warm_up
+from benchmarks.attention import CALLS, interleaved_rounds, timed_functions, warm_up
 from benchmarks.report import write_markdown
 from jax_sdpa.call.spec import CallSpec
 from jax_sdpa.kernels import vjp as kernel_vjp
@@ -71,20 +71,9 @@ def _inputs(q_seq_len, kv_seq_len, seed):
 
 def _functions(band):
     spec = CallSpec(scale=HEAD_DIM ** -0.5, **band)
-
-    def attention(q, k, v):
-        return kernel_vjp.attention(spec, dict(query=q, key=k, value=v))[0]
-
-    def forward(inputs):
-        return [attention(q, k, v) for q, k, v, _ in inputs]
-
-    def forward_backward(inputs):
-        results = []
-        for q, k, v, d_out in inputs:
-            out, vjp = jax.vjp(attention, q, k, v)
-            results.append((out, *vjp(d_out)))
-        return results
-    return {"fwd": jax.jit(forward), "fwd+bwd": jax.jit(forward_backward)}
+    return timed_functions(
+        lambda q, k, v, causal: kernel_vjp.attention(spec, dict(query=q, key=k, value=v))[0],
+        False)
 
 
 def bench(seq, rounds) -> list[dict]:

@@ -158,7 +158,7 @@ def test_differentiating_closed_over_arrays_names_stop_gradient():
                          ids=["soft-cap as score_mod", "head table times score", "negated"])
 def test_modifiers_that_scale_the_score_are_refused_by_name(mod):
     """cuDNN 9.19's score-modifier backward gave non-finite or unwritten gradients where the
-    derivative is not the incoming gradient (GPU fuzz, 2026-12-06): refused before cuDNN
+    derivative is not the incoming gradient (scripts/fuzz_cudnn.py): refused before cuDNN
     sees them; the reference path runs them (logits_soft_cap is cuDNN's own soft-cap)."""
     q, k, v, _ = random_qkv(8, B, T, S, N, K, H, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="derivative"):

@@ -54,7 +54,7 @@ def _target(spec) -> str:
     return "our dense target"
 
 
-def _pieces(spec, pieces, backward, call) -> str:
+def _pieces(pieces, backward, call) -> str:
     if not pieces:
         return ""
     share = pieces_plan.share(pieces, backward, call.query.shape[1], call.key.shape[1],
@@ -65,7 +65,7 @@ def _pieces(spec, pieces, backward, call) -> str:
 
 def _forward(call, spec) -> str:
     if spec.implementation == "cudnn":
-        text = f"cuDNN, {_target(spec)}{_pieces(spec, spec.pieces, False, call)}"
+        text = f"cuDNN, {_target(spec)}{_pieces(spec.pieces, False, call)}"
         if spec.score_mod:
             program = call.score_mod_program
             text += (f", the score_mod as {program.instructions} pointwise nodes reading "
@@ -84,4 +84,4 @@ def _backward(call, spec) -> str:
     if spec.half_backward:
         return (f"cuDNN in {call.query.dtype.name}, our dense target, from the FP8 forward's "
                 f"output and statistics, because {planning.half_backward_reason(call)}")
-    return f"cuDNN, {_target(spec)}{_pieces(spec, spec.backward_pieces, True, call)}"
+    return f"cuDNN, {_target(spec)}{_pieces(spec.backward_pieces, True, call)}"

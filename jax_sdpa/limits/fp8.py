@@ -55,8 +55,8 @@ def fp8_reason(head_dim, head_dim_v, q_seq_len, kv_seq_len) -> str | None:
     return None
 
 
-# Whether an FP8 call may take cuDNN's half-precision backward (half_backward_reason): on since
-# tests/test_gpu_fp8.py::test_half_backward* passed on an H100 (cuDNN 9.19, 2026-12-06).
+# Whether an FP8 call may take cuDNN's half-precision backward (half_backward_reason); its
+# accuracy is held by tests/test_gpu_fp8.py::test_half_backward*.
 HALF_BACKWARD_ON_CUDNN = True
 
 

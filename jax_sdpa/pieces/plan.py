@@ -38,10 +38,10 @@ class Plan(NamedTuple):
 def skips_tiles(piece: Piece, backward: bool) -> bool:
     """Whether cuDNN's kernels compute only the tiles a piece's band keeps, as the pieces run
     (jax_sdpa/kernels/pieces.py runs a bottom-right piece top-left on a square, its padding
-    rows first). Measured on an H100, cuDNN 9.19 (docs/runs/bands-2026-12-06.md): a band
-    ending on the top-left diagonal of a square (causal, with or without a left bound) and a
-    left bound alone skip tiles both ways; bands with a right bound off that diagonal
-    (bottom-right ones of S > T included) skip them only forward."""
+    rows first). As cuDNN 9.19 measures (`python -m benchmarks.bands`): a band ending on the
+    top-left diagonal of a square (causal, with or without a left bound) and a left bound
+    alone skip tiles both ways; bands with a right bound off that diagonal (bottom-right ones
+    of S > T included) skip them only forward."""
     if piece.window_left < 0 and piece.window_right < 0:
         return False  # dense: nothing to skip
     if piece.window_right == 0 or (piece.window_left >= 0 and piece.window_right < 0):
