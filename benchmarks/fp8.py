@@ -2,7 +2,11 @@
 quantized inside), jax_sdpa.fp8 on inputs already in FP8 (a framework's own scaling: what the
 kernels alone cost) and flash-attn3-jax's bf16, forward and forward+backward.
 
-    python -m benchmarks.fp8 [--only d128-s4k-causal ...] [--rounds 7] [--span] [--per-call]
+    python -m benchmarks.fp8 [--only d128-s4k-causal ...] [--config name:B,S,Nq,Nkv,H,bf16,causal]
+                             [--rounds 7] [--span] [--per-call]
+
+Without --only or --config, the anchor rows of head_dim 128 (where cuDNN's FP8 backward runs on
+Hopper); --only names any anchor row, --config adds one of any size.
 
 Method as benchmarks.attention (one process, a straight line of CALLS calls per jit, rounds
 interleaved, median round); ratios against jax_sdpa's bf16 call. With --span, each chain also
@@ -23,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import CALLS, interleaved_rounds, make_inputs, timed_functions
-from benchmarks.configs import ANCHOR_CONFIGS
+from benchmarks.configs import ANCHOR_CONFIGS, parse_config
 from benchmarks.implementations import available
 from benchmarks.traces import gpu_span
 import jax_sdpa.fp8
@@ -123,6 +127,7 @@ def bench(config, rounds, span=False, doubled=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--config", action="append", default=[], type=parse_config)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--span", action="store_true",
                         help="also each chain's GPU span per call, from one traced run")
@@ -130,9 +135,10 @@ def main():
                         help="also time each chain at twice its length: ms per call without "
                              "the chain's fixed cost")
     args = parser.parse_args()
-    for config in ANCHOR_CONFIGS:
-        if config.head_dim == 128 and (not args.only or config.name in args.only):
-            bench(config, args.rounds, args.span, args.per_call)
+    chosen = [config for config in ANCHOR_CONFIGS if config.name in args.only or
+              (not args.only and not args.config and config.head_dim == 128)]
+    for config in chosen + args.config:
+        bench(config, args.rounds, args.span, args.per_call)
 
 
 if __name__ == "__main__":

@@ -144,13 +144,14 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     rows = []
-    for seq in args.seq or [8192, 32768]:
-        rows += bench(seq, args.rounds, jax_nn=not args.no_jax_nn)
     header = (f"Masks, cuDNN {jax_sdpa.cudnn_version()}, {jax.devices()[0].device_kind}, "
               f"{args.rounds} rounds")
-    write_markdown(args.out, "masks.md", header, markdown(rows))
-    with open(os.path.join(args.out, "masks.json"), "w") as f:
-        json.dump(dict(cudnn=jax_sdpa.cudnn_version(), rows=rows), f, indent=1)
+    for seq in args.seq or [8192, 32768]:
+        rows += bench(seq, args.rounds, jax_nn=not args.no_jax_nn)
+        # written after each length: a run cut by a time limit keeps the lengths it finished
+        write_markdown(args.out, "masks.md", header, markdown(rows))
+        with open(os.path.join(args.out, "masks.json"), "w") as f:
+            json.dump(dict(cudnn=jax_sdpa.cudnn_version(), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
