@@ -61,6 +61,16 @@ def _pad_rows(x, pad, axis=1, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _with_rows_before(x, rows, heads, pad):
+    """x[:, rows, heads] (x [B, T, N, H]) with the `pad` rows before them: the call's own rows
+    where it has them (a slice, or no copy at all where that is every row), zeros before row
+    0. The padding rows' results are dropped, and in the backward their lse gives them no
+    weight, so what they hold does not matter."""
+    start = rows.start - pad
+    taken = x[:, max(start, 0):rows.stop, heads]
+    return _pad_rows(taken, max(-start, 0))
+
+
 def _where(piece, q_heads, kv_heads):
     """(rows, keys, query heads, key/value heads) slices of a piece."""
     heads = slice(piece.head_start, piece.head_stop or q_heads)
@@ -84,7 +94,7 @@ def forward(spec, inputs):
     for piece in spec.pieces:
         rows, keys, heads, kv_heads = _where(piece, q_heads, value.shape[2])
         sliced, pad = _sliced(inputs, rows, keys, heads, kv_heads), _padding(piece)
-        sliced["query"] = _pad_rows(sliced["query"], pad)
+        sliced["query"] = _with_rows_before(query, rows, heads, pad)
         piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, piece))
         piece_out = piece_out[:, pad:].astype(jnp.float32)  # the padding rows' results go
         piece_lse = piece_lse[..., pad:]
@@ -116,12 +126,13 @@ def backward(spec, inputs, output, lse, d_output):
                 spec.scale, spec.logits_soft_cap, sliced["query"], sliced["key"],
                 sliced["value"], given[0], given[1], given[2], _keep(piece))
         else:
-            # Padding rows pass nothing back: zero output and cotangent, and an lse no score
-            # reaches (their weights exp(S - lse) are 0).
+            # Padding rows pass nothing back: an lse no score reaches makes their weights
+            # exp(S - lse), and so their dS and their share of dk and dv, 0.
             pad = _padding(piece)
-            sliced["query"] = _pad_rows(sliced["query"], pad)
-            given = (_pad_rows(given[0], pad), _pad_rows(given[1], pad, axis=2, value=_NO_WEIGHT),
-                     _pad_rows(given[2], pad))
+            sliced["query"] = _with_rows_before(query, rows, heads, pad)
+            given = (_with_rows_before(output, rows, heads, pad),
+                     _pad_rows(given[1], pad, axis=2, value=_NO_WEIGHT),
+                     _with_rows_before(d_output, rows, heads, pad))
             shares = dense.backward(sliced, *given, piece_spec(spec, piece))[:3]
             shares = (shares[0][:, pad:], *shares[1:])
         for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
