@@ -25,6 +25,9 @@ from jax_sdpa.call.spec import Piece
 from jax_sdpa.pieces import intervals
 
 MAX_PIECES = 16  # per direction: each piece is a kernel call and copies of its rows
+# What choosing between cuts charges a piece beyond its work, as a share of the dense call's
+# work (its call, slices and merge): of two cuts within this of each other, the fewer pieces.
+PIECE_COST = 0.01
 
 
 class Plan(NamedTuple):
@@ -86,19 +89,30 @@ def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> 
         return f"it cuts into more than {MAX_PIECES} pieces"
     if not pieces:
         return "it keeps no key"  # (every row is the mean of the values: the other routes)
-    forward = backward = tuple(pieces)
-    cost = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
-                             q_heads=q_heads)
+    candidates = [tuple(pieces)]
+    split = cut(at_diagonal(kept_keys), q_heads, kv_heads)
+    if split is not None and split != pieces:
+        candidates.append(tuple(split))
     band = _native_band(mask, q_seq_len, kv_seq_len)
     if band is not None:  # one call of the band, where its tiles are skipped
-        whole = (band,)
-        if cost(whole, False) <= cost(forward, False):
-            forward = whole
-        if cost(whole, True) <= cost(backward, True):
-            backward = whole
-        if forward == backward == whole:
-            return "cuDNN's own band skips its tiles both ways"
+        candidates.append((band,))
+    cost = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
+                             q_heads=q_heads)
+    forward, backward = (min(candidates, key=lambda c, b=b: cost(c, b) + PIECE_COST * len(c))
+                         for b in (False, True))
+    if band is not None and forward == backward == (band,):
+        return "cuDNN's own band skips its tiles both ways"
     return Plan(forward, backward, cost(forward, False), cost(backward, True))
+
+
+def at_diagonal(kept_keys: intervals.Intervals) -> intervals.Intervals:
+    """The same kept keys with each slot's range cut where it passes the diagonal (key = row)
+    into the keys up to it and the keys after it: a band that ends right of the diagonal skips
+    no tile backward, its two halves, each on the diagonal, do (skips_tiles)."""
+    rows = np.arange(kept_keys.lo.shape[1])[None, :, None]
+    return intervals.Intervals(
+        np.concatenate([kept_keys.lo, np.maximum(kept_keys.lo, rows + 1)], -1),
+        np.concatenate([np.minimum(kept_keys.hi, rows), kept_keys.hi], -1))
 
 
 def share(pieces, backward: bool, q_seq_len, kv_seq_len, q_heads) -> float:
