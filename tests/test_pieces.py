@@ -102,8 +102,14 @@ def test_the_issue_masks_cut_into_few_pieces():
     assert prefix.forward[0] == Piece(0, t, 0, s, window_right=0)
     assert isinstance(pieces_plan.plan(masks.causal() & masks.sliding_window(1024), t, s, 16, 16),
                       str)  # cuDNN's own band does it
+    # a causal window per head: one piece per head (the band clips its own first rows)
+    per_head = pieces_plan.plan(masks.sliding_window(tuple(range(0, 1600, 100))) &
+                                masks.causal(), t, s, 16, 16)
+    assert len(per_head.forward) == len(per_head.backward) == 16
+    assert all((p.q_start, p.q_stop, p.kv_start, p.kv_stop) == (0, t, 0, s)
+               for p in per_head.forward)
     assert "more than" in pieces_plan.plan(
-        masks.sliding_window(tuple(range(0, 1600, 100))) & masks.causal(), t, s, 16, 16)
+        masks.sliding_window(tuple(range(0, 3200, 100))) & masks.causal(), t, s, 32, 32)
 
 
 def _run(description, shape, dtype=jnp.bfloat16):

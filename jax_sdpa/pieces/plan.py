@@ -140,11 +140,37 @@ def cut(kept_keys: intervals.Intervals, q_heads: int, kv_heads: int) -> list[Pie
         lo, hi = kept_keys.lo[head_start], kept_keys.hi[head_start]
         heads = (0, 0) if kept_keys.heads == 1 else (head_start, head_stop)
         for slot in range(lo.shape[-1]):
-            for run in _runs(lo[:, slot], hi[:, slot]):
-                pieces.append(_piece(*run, *heads))
+            for run, width in _clipped_bands(_runs(lo[:, slot], hi[:, slot])):
+                pieces.append(_piece(*run, *heads, width=width))
                 if len(pieces) > MAX_PIECES:
                     return None
     return pieces
+
+
+def _clipped_bands(runs):
+    """The runs, with each causal-from-the-corner run (lo fixed, hi on a diagonal) and the band
+    after it on the same diagonal joined where the band's left bound, clipped at the first
+    run's keys, gives both (a causal window's first rows): one piece (cuDNN's band clips its
+    left bound at the rectangle's first key), so that windows per head, and their unions,
+    take half the pieces."""
+    joined = []  # (run, the band's left bound where it is clipped, else None)
+    for run in runs:
+        if joined and joined[-1][1] is None and _joins(joined[-1][0], run):
+            first, _, lo, hi, _, _ = joined[-1][0]
+            joined[-1] = ((first, run[1], lo, hi, 1, 1), run[3] - run[2])
+        else:
+            joined.append((run, None))
+    return joined
+
+
+def _joins(before, run) -> bool:
+    first, stop, lo, hi, slope_lo, slope_hi = before
+    start, _, band_lo, band_hi, band_slope_lo, band_slope_hi = run
+    if (slope_lo, slope_hi, band_slope_lo, band_slope_hi) != (0, 1, 1, 1) or start != stop:
+        return False
+    width = band_hi - band_lo  # the band's left bound
+    last_hi = hi + stop - 1 - first
+    return band_hi == last_hi + 1 and lo <= band_lo <= lo + 1 and last_hi - width <= lo
 
 
 def _head_groups(kept_keys, q_heads, kv_heads):
@@ -191,7 +217,8 @@ def _runs(lo, hi):
         row += 1
 
 
-def _piece(first, stop, lo, hi, slope_lo, slope_hi, head_start, head_stop) -> Piece:
+def _piece(first, stop, lo, hi, slope_lo, slope_hi, head_start, head_stop,
+           width=None) -> Piece:
     rows = stop - first
     last_hi = hi + slope_hi * (rows - 1)
     heads = dict(head_start=head_start, head_stop=head_stop)
@@ -201,7 +228,7 @@ def _piece(first, stop, lo, hi, slope_lo, slope_hi, head_start, head_stop) -> Pi
     keys = last_hi + 1 - lo
     band = dict(window_right=0, bottom_right=keys != rows)
     if slope_lo:
-        band["window_left"] = hi - lo
+        band["window_left"] = hi - lo if width is None else width
     return Piece(first, stop, lo, last_hi + 1, **band, **heads)
 
 
