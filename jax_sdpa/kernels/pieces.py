@@ -88,7 +88,9 @@ def forward(spec, inputs):
     """(output [B, T, N, Hv] in the inputs' dtype, lse float32 [B, N, T]) of spec.pieces."""
     query, value = inputs["query"], inputs["value"]
     batch, q_seq_len, q_heads, _ = query.shape
-    out = jnp.zeros((batch, q_seq_len, q_heads, value.shape[-1]), jnp.float32)
+    # In the inputs' dtype, as cuDNN writes each piece: a merge is computed in float32 and
+    # rounded once (a float32 buffer would be two more passes over the output).
+    out = jnp.zeros((batch, q_seq_len, q_heads, value.shape[-1]), query.dtype)
     lse = jnp.full((batch, q_heads, q_seq_len), -jnp.inf, jnp.float32)
     covered = np.zeros((q_heads, q_seq_len), bool)  # rows an earlier piece wrote
     for piece in spec.pieces:
@@ -96,7 +98,7 @@ def forward(spec, inputs):
         sliced, pad = _sliced(inputs, rows, keys, heads, kv_heads), _padding(piece)
         sliced["query"] = _with_rows_before(query, rows, heads, pad)
         piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, piece))
-        piece_out = piece_out[:, pad:].astype(jnp.float32)  # the padding rows' results go
+        piece_out = piece_out[:, pad:]  # the padding rows' results go
         piece_lse = piece_lse[..., pad:]
         if covered[heads, rows].any():
             piece_out, piece_lse = merge(out[:, rows, heads], lse[:, heads, rows], piece_out,
@@ -104,18 +106,19 @@ def forward(spec, inputs):
         covered[heads, rows] = True
         out = _put(out, (0, rows.start, heads.start, 0), piece_out)
         lse = _put(lse, (0, heads.start, rows.start), piece_lse)
-    return out.astype(query.dtype), lse
+    return out, lse
 
 
 def backward(spec, inputs, output, lse, d_output):
     """(dq, dk, dv) of spec.backward_pieces, given the whole call's output and lse: each
-    piece's share, summed in float32 where pieces share rows or keys."""
+    piece's share, added in float32 where pieces share rows or keys and kept in the inputs'
+    dtypes between pieces (as cuDNN writes each share)."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     q_heads, kv_heads_count = query.shape[2], key.shape[2]
     if len(spec.backward_pieces) == 1 and _whole(spec.backward_pieces[0], query, key):
         return tuple(dense.backward(inputs, output, lse, d_output,
                                     piece_spec(spec, spec.backward_pieces[0]))[:3])
-    grads = [jnp.zeros(x.shape, jnp.float32) for x in (query, key, value)]
+    grads = [jnp.zeros(x.shape, x.dtype) for x in (query, key, value)]
     for piece in spec.backward_pieces:
         rows, keys, heads, kv_heads = _where(piece, q_heads, kv_heads_count)
         sliced = _sliced(inputs, rows, keys, heads, kv_heads)
@@ -137,9 +140,8 @@ def backward(spec, inputs, output, lse, d_output):
             shares = (shares[0][:, pad:], *shares[1:])
         for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
                                                  (keys, kv_heads)), shares)):
-            grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0),
-                            share.astype(jnp.float32), add=True)
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (query, key, value)))
+            grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0), share, add=True)
+    return tuple(grads)
 
 
 def _keep(piece):
@@ -157,12 +159,12 @@ def _keep(piece):
 
 
 def _put(x, start, update, add=False):
-    """x with `update` written (or added) at the static `start` (no index arrays: kernels
-    under custom_partitioning hold no constants)."""
+    """x with `update` written (or added, in float32) at the static `start`, in x's dtype (no
+    index arrays: kernels under custom_partitioning hold no constants)."""
     if add:
         limit = tuple(a + b for a, b in zip(start, update.shape))
-        update = update + lax.slice(x, start, limit)
-    return lax.dynamic_update_slice(x, update, start)
+        update = update.astype(jnp.float32) + lax.slice(x, start, limit).astype(jnp.float32)
+    return lax.dynamic_update_slice(x, update.astype(x.dtype), start)
 
 
 def _whole(piece, query, key) -> bool:
