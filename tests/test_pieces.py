@@ -89,10 +89,10 @@ def test_pieces_cover_the_kept_scores_once(seed):
 def test_the_issue_masks_cut_into_few_pieces():
     t = s = 8192
     prefix = pieces_plan.plan(masks.prefix_lm(2048), t, s, 16, 16)
-    assert len(prefix.forward) == 2 and 0.531 <= prefix.forward_share < 0.54
+    assert len(prefix.forward) == 2 and 0.531 <= prefix.forward_share < 0.56  # copies counted
     union = pieces_plan.plan(masks.global_tokens(64) | (masks.causal() &
                                                         masks.sliding_window(1024)), t, s, 16, 16)
-    assert len(union.forward) == 4 and union.backward_share < 0.145
+    assert len(union.forward) == 4 and union.backward_share < 0.16  # copies counted
     window = pieces_plan.plan(masks.sliding_window(2048, 2048), t, s, 16, 16)
     assert len(window.forward) == 1 and window.forward[0].window_right == 2048  # native
     assert all(p.window_right in (-1, 0) for p in window.backward)
@@ -153,8 +153,12 @@ def test_arrays_with_few_rectangles_take_pieces(cudnn, name):
 @pytest.mark.parametrize("name", sorted(set(DESCRIPTIONS) - {
     "causal window, rows past the keys see none"}))
 def test_descriptions_take_pieces(cudnn, name):
-    q = jax.ShapeDtypeStruct((1, 40, 4, 64), jnp.bfloat16)
-    assert "the mask cut into" in jax_sdpa.explain(q, q, q, mask=DESCRIPTIONS[name](40),
+    # (the arrays are 40 x 40; the descriptions at a length where copying a slice costs less
+    # than the dense rows it saves: at T = 40 a window bounded on both sides runs as cuDNN's
+    # own band both ways)
+    length = 40 if name in ARRAYS else 1024
+    q = jax.ShapeDtypeStruct((1, length, 4, 64), jnp.bfloat16)
+    assert "the mask cut into" in jax_sdpa.explain(q, q, q, mask=DESCRIPTIONS[name](length),
                                                    implementation="cudnn")
 
 

@@ -58,9 +58,9 @@ def _pieces(pieces, backward, call) -> str:
     if not pieces:
         return ""
     share = pieces_plan.share(pieces, backward, call.query.shape[1], call.key.shape[1],
-                              call.query.shape[2])
+                              call.query.shape[2], call.key.shape[2])
     return (f", the mask cut into {len(pieces)} piece{'s' * (len(pieces) > 1)} "
-            f"({share:.0%} of the dense work)")
+            f"({share:.0%} of the dense work, their copies counted)")
 
 
 def _forward(call, spec) -> str:

@@ -18,6 +18,7 @@ from jax import lax
 
 from jax_sdpa.cudnn import dense
 from jax_sdpa.limits import pieces as limits
+from jax_sdpa.pieces import plan as pieces_plan
 from jax_sdpa.reference import kernel as reference_kernel
 
 
@@ -49,8 +50,15 @@ def _padding(piece) -> int:
     cuDNN 9.19's backward skips tiles for a band ending on the top-left diagonal of T = S
     alone (benchmarks.bands on an H100: a bottom-right causal band of S - T = S/4 took more
     than the dense rectangle, the same band square and top-left its share)."""
-    return (piece.kv_stop - piece.kv_start) - (piece.q_stop - piece.q_start) if (
-        piece.bottom_right) else 0
+    return pieces_plan._padding(piece)  # noqa: SLF001 - the plan's cost counts the same rows
+
+
+def _call_of(piece, backward, query, key):
+    """(the piece as its call runs: pieces_plan.run_as, the first of the piece's own rows in
+    that call's results)."""
+    run = pieces_plan.run_as(piece, backward, query.shape[1], key.shape[1], query.shape[2],
+                             key.shape[2])
+    return run, _padding(run) + piece.q_start - run.q_start
 
 
 def _pad_rows(x, pad, axis=1, value=0.0):
@@ -94,12 +102,14 @@ def forward(spec, inputs):
     lse = jnp.full((batch, q_heads, q_seq_len), -jnp.inf, jnp.float32)
     covered = np.zeros((q_heads, q_seq_len), bool)  # rows an earlier piece wrote
     for piece in spec.pieces:
-        rows, keys, heads, kv_heads = _where(piece, q_heads, value.shape[2])
-        sliced, pad = _sliced(inputs, rows, keys, heads, kv_heads), _padding(piece)
-        sliced["query"] = _with_rows_before(query, rows, heads, pad)
-        piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, piece))
-        piece_out = piece_out[:, pad:]  # the padding rows' results go
-        piece_lse = piece_lse[..., pad:]
+        rows, _, heads, _ = _where(piece, q_heads, value.shape[2])
+        run, first = _call_of(piece, False, query, inputs["key"])
+        run_rows, keys, _, kv_heads = _where(run, q_heads, value.shape[2])
+        sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
+        sliced["query"] = _with_rows_before(query, run_rows, heads, _padding(run))
+        piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, run))
+        own = slice(first, first + rows.stop - rows.start)  # the other rows' results go
+        piece_out, piece_lse = piece_out[:, own], piece_lse[..., own]
         if covered[heads, rows].any():
             piece_out, piece_lse = merge(out[:, rows, heads], lse[:, heads, rows], piece_out,
                                          piece_lse)
@@ -121,23 +131,30 @@ def backward(spec, inputs, output, lse, d_output):
     grads = [jnp.zeros(x.shape, x.dtype) for x in (query, key, value)]
     for piece in spec.backward_pieces:
         rows, keys, heads, kv_heads = _where(piece, q_heads, kv_heads_count)
-        sliced = _sliced(inputs, rows, keys, heads, kv_heads)
-        given = (output[:, rows, heads], lse[:, heads, rows], d_output[:, rows, heads])
         if limits.backward_reason(piece, query.shape[-1], value.shape[-1],
                                   spec.logits_soft_cap):  # a small piece (limits.plan_reason)
+            sliced = _sliced(inputs, rows, keys, heads, kv_heads)
             shares = reference_kernel.backward_from_stats(
                 spec.scale, spec.logits_soft_cap, sliced["query"], sliced["key"],
-                sliced["value"], given[0], given[1], given[2], _keep(piece))
+                sliced["value"], output[:, rows, heads], lse[:, heads, rows],
+                d_output[:, rows, heads], _keep(piece))
         else:
-            # Padding rows pass nothing back: an lse no score reaches makes their weights
-            # exp(S - lse), and so their dS and their share of dk and dv, 0.
-            pad = _padding(piece)
-            sliced["query"] = _with_rows_before(query, rows, heads, pad)
-            given = (_with_rows_before(output, rows, heads, pad),
-                     _pad_rows(given[1], pad, axis=2, value=_NO_WEIGHT),
-                     _with_rows_before(d_output, rows, heads, pad))
-            shares = dense.backward(sliced, *given, piece_spec(spec, piece))[:3]
-            shares = (shares[0][:, pad:], *shares[1:])
+            # Rows not the piece's own (padding rows, the rest of a widened piece) pass nothing
+            # back: an lse no score reaches makes their weights exp(S - lse), and so their dS
+            # and their share of dk and dv, 0.
+            run, first = _call_of(piece, True, query, key)
+            run_rows, keys, _, kv_heads = _where(run, q_heads, kv_heads_count)
+            pad = _padding(run)
+            sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
+            sliced["query"] = _with_rows_before(query, run_rows, heads, pad)
+            run_lse = _pad_rows(lse[:, heads, run_rows], pad, axis=2, value=_NO_WEIGHT)
+            index = lax.broadcasted_iota(jnp.int32, run_lse.shape, 2)
+            own = (index >= first) & (index < first + rows.stop - rows.start)
+            given = (_with_rows_before(output, run_rows, heads, pad),
+                     jnp.where(own, run_lse, _NO_WEIGHT),
+                     _with_rows_before(d_output, run_rows, heads, pad))
+            shares = dense.backward(sliced, *given, piece_spec(spec, run))[:3]
+            shares = (shares[0][:, first:first + rows.stop - rows.start], *shares[1:])
         for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
                                                  (keys, kv_heads)), shares)):
             grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0), share, add=True)

@@ -26,8 +26,14 @@ from jax_sdpa.pieces import intervals
 
 MAX_PIECES = 16  # per direction: each piece is a kernel call and copies of its rows
 # What choosing between cuts charges a piece beyond its work, as a share of the dense call's
-# work (its call, slices and merge): of two cuts within this of each other, the fewer pieces.
+# work (its call and merge): of two cuts within this of each other, the fewer pieces.
 PIECE_COST = 0.01
+# The scores one head's row of q (or of k and v) copied into a piece's slice costs, as memory
+# traffic against tensor-core work: a bf16 row of H is 4H bytes read and written, a score
+# 4H FLOPs forward, and an H100 does ~200 bf16 FLOPs per byte of HBM (990 TFLOP/s, 3.35 TB/s;
+# measured, benchmarks.masks 2026-12-06: slices of ~6 tensors cost ~0.14 ms at 8k, ~15% of
+# the dense forward).
+COPY_SCORES = 200
 
 
 class Plan(NamedTuple):
@@ -76,6 +82,69 @@ def work(piece: Piece, backward: bool, q_heads: int) -> int:
     return (piece.q_stop - piece.q_start) * (piece.kv_stop - piece.kv_start) * heads
 
 
+def copied(piece: Piece, q_seq_len, kv_seq_len, q_heads, kv_heads) -> int:
+    """Score-equivalents (COPY_SCORES per head's row) of the slices a piece's call copies: its
+    rows of q (padding rows included) unless they are all of q, its keys of k and v unless
+    they are all of them."""
+    group = q_heads // kv_heads
+    heads = q_heads if piece.head_stop == 0 else piece.head_stop - piece.head_start
+    all_heads = heads == q_heads
+    rows = piece.q_stop - piece.q_start + _padding(piece)
+    keys = piece.kv_stop - piece.kv_start
+    row_copy = 0 if all_heads and rows == q_seq_len else rows * heads
+    key_copy = 0 if all_heads and keys == kv_seq_len else 2 * keys * -(-heads // group)
+    return COPY_SCORES * (row_copy + key_copy)
+
+
+def _padding(piece: Piece) -> int:
+    """Rows a bottom-right piece runs before its queries (jax_sdpa/kernels/pieces.py)."""
+    return ((piece.kv_stop - piece.kv_start) - (piece.q_stop - piece.q_start)
+            if piece.bottom_right else 0)
+
+
+def widened(piece: Piece, q_seq_len: int, kv_seq_len: int) -> Piece | None:
+    """The piece over every query row (a dense piece), or over the whole square (a band on
+    the diagonal key = row), where its own rows keep the same keys there; None where it does
+    not widen. Its call then reads q (and k, v) whole instead of copies of slices; the other
+    rows' results are dropped, and in the backward their lse gives them no weight."""
+    rows = piece.q_stop - piece.q_start
+    if piece.window_left < 0 and piece.window_right < 0:  # dense: every row the same keys
+        return piece._replace(q_start=0, q_stop=q_seq_len) if rows < q_seq_len else None
+    if q_seq_len != kv_seq_len or (piece.kv_stop - piece.kv_start == kv_seq_len and
+                                   rows == q_seq_len):
+        return None
+    diagonal = (piece.kv_stop - piece.q_stop if piece.bottom_right else
+                piece.kv_start - piece.q_start)  # the band's diagonal: key = row + diagonal
+    if diagonal:
+        return None
+    whole = piece._replace(q_start=0, q_stop=q_seq_len, kv_start=0, kv_stop=kv_seq_len,
+                           bottom_right=False)
+    if piece.window_right == 0 and piece.kv_stop >= piece.q_stop:
+        # keys max(kv_start, row - left) .. row: the same from key 0 where the first row's
+        # lowest key is at or past kv_start
+        same = piece.kv_start == 0 or (piece.window_left >= 0 and
+                                        piece.q_start - piece.window_left >= piece.kv_start)
+        return whole if same else None
+    if piece.window_left == 0 and piece.window_right < 0 and piece.kv_stop == kv_seq_len:
+        return whole  # keys row .. the last
+    return None
+
+
+def run_as(piece: Piece, backward: bool, q_seq_len, kv_seq_len, q_heads, kv_heads) -> Piece:
+    """The piece as its call runs: widened where that costs less than the copies it saves."""
+    wide = widened(piece, q_seq_len, kv_seq_len)
+    if wide is None:
+        return piece
+    sizes = (q_seq_len, kv_seq_len, q_heads, kv_heads)
+    return min((piece, wide), key=lambda p: cost(p, backward, *sizes))
+
+
+def cost(piece: Piece, backward: bool, q_seq_len, kv_seq_len, q_heads, kv_heads) -> int:
+    """A piece's call in scores: its work and its copies."""
+    return work(piece, backward, q_heads) + copied(piece, q_seq_len, kv_seq_len, q_heads,
+                                                   kv_heads)
+
+
 @functools.lru_cache(maxsize=64)
 def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> Plan | str:
     """The description's pieces at these sizes (static, cached per description and shape), or
@@ -96,13 +165,13 @@ def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> 
     band = _native_band(mask, q_seq_len, kv_seq_len)
     if band is not None:  # one call of the band, where its tiles are skipped
         candidates.append((band,))
-    cost = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
-                             q_heads=q_heads)
-    forward, backward = (min(candidates, key=lambda c, b=b: cost(c, b) + PIECE_COST * len(c))
+    shares = functools.partial(share, q_seq_len=q_seq_len, kv_seq_len=kv_seq_len,
+                               q_heads=q_heads, kv_heads=kv_heads)
+    forward, backward = (min(candidates, key=lambda c, b=b: shares(c, b) + PIECE_COST * len(c))
                          for b in (False, True))
     if band is not None and forward == backward == (band,):
         return "cuDNN's own band skips its tiles both ways"
-    return Plan(forward, backward, cost(forward, False), cost(backward, True))
+    return Plan(forward, backward, shares(forward, False), shares(backward, True))
 
 
 def at_diagonal(kept_keys: intervals.Intervals) -> intervals.Intervals:
@@ -115,9 +184,12 @@ def at_diagonal(kept_keys: intervals.Intervals) -> intervals.Intervals:
         np.concatenate([np.minimum(kept_keys.hi, rows), kept_keys.hi], -1))
 
 
-def share(pieces, backward: bool, q_seq_len, kv_seq_len, q_heads) -> float:
-    """The work of pieces as a share of the dense call's."""
-    return sum(work(p, backward, q_heads) for p in pieces) / (q_seq_len * kv_seq_len * q_heads)
+def share(pieces, backward: bool, q_seq_len, kv_seq_len, q_heads, kv_heads) -> float:
+    """The cost of pieces as they run (run_as: their work and their copies) as a share of the
+    dense call's work."""
+    sizes = (q_seq_len, kv_seq_len, q_heads, kv_heads)
+    return sum(cost(run_as(p, backward, *sizes), backward, *sizes)
+               for p in pieces) / (q_seq_len * kv_seq_len * q_heads)
 
 
 def _native_band(mask, q_seq_len, kv_seq_len) -> Piece | None:
