@@ -59,7 +59,7 @@ def available(config, command_buffers=False):
         flash_mha = None
     if flash_mha is not None and config.head_dim == 128:
         found["flash-attn3-jax"] = lambda q, k, v, causal: flash_mha(q, k, v, is_causal=causal)
-    if config.head_dim == 128:  # cuDNN's FP8 backward on Hopper: head_dim 128 only
+    if config.head_dim % 16 == 0:  # cuDNN's FP8 forward (the backward in bf16 off d128)
         found["jax_sdpa fp8"] = _jax_sdpa_fp8
     if config.run_xla:
         found["jax.nn xla"] = _jax_nn("xla")
