@@ -39,18 +39,10 @@ def merge(out, lse, block_out, block_lse):
 
 def piece_spec(spec, piece):
     """The call's spec for one piece: its band, top-left (a bottom-right piece runs padded:
-    _padding), no pieces."""
+    pieces_plan.padding), no pieces."""
     return dataclasses.replace(spec, pieces=(), backward_pieces=(),
                                window_left=piece.window_left, window_right=piece.window_right,
                                bottom_right=False)
-
-
-def _padding(piece) -> int:
-    """Rows put before a bottom-right piece's queries so that it runs top-left on a square:
-    cuDNN 9.19's backward skips tiles for a band ending on the top-left diagonal of T = S
-    alone (benchmarks.bands on an H100: a bottom-right causal band of S - T = S/4 took more
-    than the dense rectangle, the same band square and top-left its share)."""
-    return pieces_plan._padding(piece)  # noqa: SLF001 - the plan's cost counts the same rows
 
 
 def _call_of(piece, backward, query, key):
@@ -58,7 +50,7 @@ def _call_of(piece, backward, query, key):
     that call's results)."""
     run = pieces_plan.run_as(piece, backward, query.shape[1], key.shape[1], query.shape[2],
                              key.shape[2])
-    return run, _padding(run) + piece.q_start - run.q_start
+    return run, pieces_plan.padding(run) + piece.q_start - run.q_start
 
 
 def _pad_rows(x, pad, axis=1, value=0.0):
@@ -106,7 +98,7 @@ def forward(spec, inputs):
         run, first = _call_of(piece, False, query, inputs["key"])
         run_rows, keys, _, kv_heads = _where(run, q_heads, value.shape[2])
         sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
-        sliced["query"] = _with_rows_before(query, run_rows, heads, _padding(run))
+        sliced["query"] = _with_rows_before(query, run_rows, heads, pieces_plan.padding(run))
         piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, run))
         own = slice(first, first + rows.stop - rows.start)  # the other rows' results go
         piece_out, piece_lse = piece_out[:, own], piece_lse[..., own]
@@ -144,7 +136,7 @@ def backward(spec, inputs, output, lse, d_output):
             # and their share of dk and dv, 0.
             run, first = _call_of(piece, True, query, key)
             run_rows, keys, _, kv_heads = _where(run, q_heads, kv_heads_count)
-            pad = _padding(run)
+            pad = pieces_plan.padding(run)
             sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
             sliced["query"] = _with_rows_before(query, run_rows, heads, pad)
             run_lse = _pad_rows(lse[:, heads, run_rows], pad, axis=2, value=_NO_WEIGHT)
@@ -187,4 +179,4 @@ def _put(x, start, update, add=False):
 def _whole(piece, query, key) -> bool:
     """Whether the piece is the whole call as it stands (no slice, no padding rows)."""
     return (piece.q_start, piece.q_stop, piece.kv_start, piece.kv_stop, piece.head_stop,
-            _padding(piece)) == (0, query.shape[1], 0, key.shape[1], 0, 0)
+            pieces_plan.padding(piece)) == (0, query.shape[1], 0, key.shape[1], 0, 0)

@@ -89,15 +89,19 @@ def copied(piece: Piece, q_seq_len, kv_seq_len, q_heads, kv_heads) -> int:
     group = q_heads // kv_heads
     heads = q_heads if piece.head_stop == 0 else piece.head_stop - piece.head_start
     all_heads = heads == q_heads
-    rows = piece.q_stop - piece.q_start + _padding(piece)
+    rows = piece.q_stop - piece.q_start + padding(piece)
     keys = piece.kv_stop - piece.kv_start
     row_copy = 0 if all_heads and rows == q_seq_len else rows * heads
     key_copy = 0 if all_heads and keys == kv_seq_len else 2 * keys * -(-heads // group)
     return COPY_SCORES * (row_copy + key_copy)
 
 
-def _padding(piece: Piece) -> int:
-    """Rows a bottom-right piece runs before its queries (jax_sdpa/kernels/pieces.py)."""
+def padding(piece: Piece) -> int:
+    """Rows put before a bottom-right piece's queries so that it runs top-left on a square
+    (jax_sdpa/kernels/pieces.py): cuDNN 9.19's backward skips tiles for a band ending on the
+    top-left diagonal of T = S alone (benchmarks.bands on an H100: a bottom-right causal band
+    of S - T = S/4 took more than the dense rectangle, the same band square and top-left its
+    share)."""
     return ((piece.kv_stop - piece.kv_start) - (piece.q_stop - piece.q_start)
             if piece.bottom_right else 0)
 
