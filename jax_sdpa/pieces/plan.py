@@ -12,6 +12,9 @@ runs with a band of its own:
 Rows a piece covers see a key of it; pieces of the same rows are merged by log-sum-exp; rows no
 piece covers see no key. The forward may instead run a native band whole (one call) where
 cuDNN's forward skips its tiles and its backward does not (a window bounded on both sides).
+Of the cuts (as the ranges stand, or cut at the diagonal) and the native band, each direction
+takes the one that costs least, a piece's cost being its work and the slices its call copies
+(run_as: a piece may run widened to read q, k and v whole).
 """
 
 from __future__ import annotations
