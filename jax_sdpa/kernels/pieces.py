@@ -2,7 +2,8 @@
 keys and heads sliced out and run with its own band; the forward merges the pieces of the same
 rows by log-sum-exp, the backward gives each piece the merged output and lse (so cuDNN returns
 that piece's exact share of dq, dk, dv: dS = P (dP - rowsum(dO O)) with P from the merged
-normaliser) and sums the shares in float32.
+normaliser) and sums the shares. A piece may run widened (pieces/plan.run_as: over every row
+or the whole square, reading q, k and v whole); its call's other rows are dropped.
 
 Rows no piece covers are left at output 0 and lse -inf, for the caller's repair of rows that see
 no key (jax_sdpa/call/inputs.py).
@@ -45,12 +46,17 @@ def piece_spec(spec, piece):
                                bottom_right=False)
 
 
-def _call_of(piece, backward, query, key):
-    """(the piece as its call runs: pieces_plan.run_as, the first of the piece's own rows in
-    that call's results)."""
+def _call_of(inputs, piece, backward):
+    """(the piece as its call runs: pieces_plan.run_as; that call's q, k, v; the piece's own
+    rows in its results; the keys and key/value heads it reads)."""
+    query, key = inputs["query"], inputs["key"]
     run = pieces_plan.run_as(piece, backward, query.shape[1], key.shape[1], query.shape[2],
                              key.shape[2])
-    return run, pieces_plan.padding(run) + piece.q_start - run.q_start
+    rows, keys, heads, kv_heads = _where(run, query.shape[2], key.shape[2])
+    sliced = _sliced(inputs, rows, keys, heads, kv_heads)
+    sliced["query"] = _with_rows_before(query, rows, heads, pieces_plan.padding(run))
+    first = pieces_plan.padding(run) + piece.q_start - run.q_start
+    return run, sliced, slice(first, first + piece.q_stop - piece.q_start), (keys, kv_heads)
 
 
 def _pad_rows(x, pad, axis=1, value=0.0):
@@ -95,13 +101,9 @@ def forward(spec, inputs):
     covered = np.zeros((q_heads, q_seq_len), bool)  # rows an earlier piece wrote
     for piece in spec.pieces:
         rows, _, heads, _ = _where(piece, q_heads, value.shape[2])
-        run, first = _call_of(piece, False, query, inputs["key"])
-        run_rows, keys, _, kv_heads = _where(run, q_heads, value.shape[2])
-        sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
-        sliced["query"] = _with_rows_before(query, run_rows, heads, pieces_plan.padding(run))
+        run, sliced, own, _ = _call_of(inputs, piece, False)
         piece_out, piece_lse = dense.forward(sliced, piece_spec(spec, run))
-        own = slice(first, first + rows.stop - rows.start)  # the other rows' results go
-        piece_out, piece_lse = piece_out[:, own], piece_lse[..., own]
+        piece_out, piece_lse = piece_out[:, own], piece_lse[..., own]  # the other rows go
         if covered[heads, rows].any():
             piece_out, piece_lse = merge(out[:, rows, heads], lse[:, heads, rows], piece_out,
                                          piece_lse)
@@ -134,19 +136,15 @@ def backward(spec, inputs, output, lse, d_output):
             # Rows not the piece's own (padding rows, the rest of a widened piece) pass nothing
             # back: an lse no score reaches makes their weights exp(S - lse), and so their dS
             # and their share of dk and dv, 0.
-            run, first = _call_of(piece, True, query, key)
-            run_rows, keys, _, kv_heads = _where(run, q_heads, kv_heads_count)
-            pad = pieces_plan.padding(run)
-            sliced = _sliced(inputs, run_rows, keys, heads, kv_heads)
-            sliced["query"] = _with_rows_before(query, run_rows, heads, pad)
+            run, sliced, own, (keys, kv_heads) = _call_of(inputs, piece, True)
+            run_rows, pad = slice(run.q_start, run.q_stop), pieces_plan.padding(run)
             run_lse = _pad_rows(lse[:, heads, run_rows], pad, axis=2, value=_NO_WEIGHT)
             index = lax.broadcasted_iota(jnp.int32, run_lse.shape, 2)
-            own = (index >= first) & (index < first + rows.stop - rows.start)
             given = (_with_rows_before(output, run_rows, heads, pad),
-                     jnp.where(own, run_lse, _NO_WEIGHT),
+                     jnp.where((index >= own.start) & (index < own.stop), run_lse, _NO_WEIGHT),
                      _with_rows_before(d_output, run_rows, heads, pad))
             shares = dense.backward(sliced, *given, piece_spec(spec, run))[:3]
-            shares = (shares[0][:, first:first + rows.stop - rows.start], *shares[1:])
+            shares = (shares[0][:, own], *shares[1:])
         for i, (where, share) in enumerate(zip(((rows, heads), (keys, kv_heads),
                                                  (keys, kv_heads)), shares)):
             grads[i] = _put(grads[i], (0, where[0].start, where[1].start, 0), share, add=True)

@@ -33,16 +33,17 @@ MAX_PIECES = 16  # per direction: each piece is a kernel call and copies of its 
 PIECE_COST = 0.01
 # The scores one head's row of q (or of k and v) copied into a piece's slice costs, as memory
 # traffic against tensor-core work: a bf16 row of H is 4H bytes read and written, a score
-# 4H FLOPs forward, and an H100 does ~200 bf16 FLOPs per byte of HBM (990 TFLOP/s, 3.35 TB/s;
-# measured, benchmarks.masks 2026-12-06: slices of ~6 tensors cost ~0.14 ms at 8k, ~15% of
-# the dense forward).
+# 4H FLOPs forward, and an H100 does ~200 bf16 FLOPs per byte of HBM (990 TFLOP/s, 3.35 TB/s).
+# benchmarks.masks agrees at 8k: a description whose pieces copy ~6 tensors ran ~0.14 ms (~15%
+# of the dense forward) past the tiles it keeps.
 COPY_SCORES = 200
 
 
 class Plan(NamedTuple):
     forward: tuple
     backward: tuple
-    # the work each direction's pieces do, as a share of the dense call's
+    # each direction's pieces as they run, their work and their copies (share), as a share of
+    # the dense call's work
     forward_share: float
     backward_share: float
 
