@@ -358,3 +358,51 @@ def test_without_a_gpu_calls_lower_without_a_workspace_result(monkeypatch, fresh
     calls = [line for line in text.splitlines() if "custom_call @jax_sdpa" in line]
     assert len(calls) == 2 and all("workspace_result = false" in line for line in calls)
     assert not any("xui8>" in line for line in calls)
+
+
+def _barrier_sides(text):
+    """For each call of our targets in lowered StableHLO: (whether every operand comes out of an
+    optimization barrier, whether every result goes into barriers only), per function (SSA
+    names are the function's own)."""
+    found = []
+    for body in text.split("func.func")[1:]:
+        defined = {}  # SSA name -> the op that defines it
+        for line in body.splitlines():
+            match = re.match(r"\s*(%[\w.]+)(?::\d+)? = (?:\"?)([\w.]+)", line)
+            if match:
+                defined[match.group(1)] = (match.group(2), line)
+        for name, (op, line) in defined.items():
+            if op != "stablehlo.custom_call" or "@jax_sdpa_" not in line:
+                continue
+            arguments = line[line.index("(") + 1:line.index(")")]
+            operands = {token.split("#")[0] for token in re.findall(r"%[\w.#]+", arguments)}
+            users = [other for _, other in defined.values()
+                     if re.search(re.escape(name) + r"(#\d+)?\b", other) and other != line]
+            users += [other for other in body.splitlines() if "return" in other and
+                      re.search(re.escape(name) + r"(#\d+)?\b", other)]
+            found.append((all(defined.get(x, ("",))[0] == "stablehlo.optimization_barrier"
+                              for x in operands),
+                          bool(users) and all("optimization_barrier" in u for u in users)))
+    return found
+
+
+@pytest.mark.parametrize("mode", ["forward", "grad"])
+def test_our_calls_sit_between_optimization_barriers(mode, monkeypatch):
+    """In a chain of mask pieces (slices of one call's output feeding the next call's pieces,
+    each piece's result written into a buffer another call produced) every operand of our
+    custom calls comes out of an optimization barrier and every result goes into one: XLA's
+    GPU dynamic-slice fusion, which fails on such chains (docs/DEVELOPING.md, "Our calls kept
+    apart from XLA's slices"), then finds no slice or update beside a call."""
+    monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    mask = jax_sdpa.masks.prefix_lm(64) | jax_sdpa.masks.sliding_window(0, 16)
+
+    def chain(q):
+        for _ in range(2):
+            q = jax_sdpa.dot_product_attention(q, q, q, mask=mask, implementation="cudnn")
+        return q.astype(jnp.float32).sum()
+    fn = chain if mode == "forward" else jax.grad(chain)
+    text = jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    sides = _barrier_sides(text)
+    assert len(sides) >= (4 if mode == "forward" else 8)  # pieces of two calls
+    assert all(operands and results for operands, results in sides), sides

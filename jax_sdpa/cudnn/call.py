@@ -96,8 +96,18 @@ def ffi_call(target: Target, spec, operands: dict, own_attributes: dict, result_
         result_types = (*result_types, jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     name = target.command_buffer_name if spec.command_buffer else target.name
     call = jax.ffi.ffi_call(name, result_types, vmap_method=vmap_method)
-    results = call(*ordered, **attributes)
+    results = _apart(call(*_apart(ordered), **attributes))
     return varying_like(results[:len(results) - (workspace > 0)], ordered)
+
+
+def _apart(values):
+    """values behind an optimization barrier: XLA's GPU dynamic-slice fusion folds a slice that
+    feeds a custom call, and a dynamic_update_slice of its result, into the call's addresses,
+    and where a program chains several such calls (pieces of a mask, a model's layers) it builds
+    a cycle or a fusion whose update target is another call's result, an XLA internal error
+    (docs/DEVELOPING.md, "Our calls kept apart from XLA's slices"). The barrier keeps slices
+    and updates as XLA's own ops; XLA removes it after scheduling."""
+    return list(jax.lax.optimization_barrier(tuple(values)))
 
 
 def tails(inputs):
