@@ -19,6 +19,7 @@ Positions are the rows' own: query ``i`` and key ``j`` count from 0 at the top-l
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import operator
 
@@ -239,6 +240,28 @@ class Intersection(_Combined):
             elif name != "is_causal":
                 return None  # two sets of documents: no single pair of id arrays says it
         return merged
+
+
+def value_key(mask: Mask):
+    """A hashable value of everything the description holds (the digest of each array's
+    bytes, never the array), or None where an array is not concrete (traced): two descriptions
+    of the same values have the same key, and an array changed in place gives another."""
+    def key(value):
+        if isinstance(value, Mask):
+            fields = tuple(key(getattr(value, f.name)) for f in dataclasses.fields(value))
+            return None if None in fields else (type(value).__name__, fields)
+        if isinstance(value, tuple):
+            items = tuple(key(item) for item in value)
+            return None if None in items else items
+        if isinstance(value, (int, float, str, bool, type(None))):
+            return ("scalar", value)
+        try:
+            array = np.ascontiguousarray(np.asarray(value))
+        except Exception:  # noqa: BLE001 - a tracer (values known only when the call runs)
+            return None
+        digest = hashlib.blake2b(array.tobytes(), digest_size=16).hexdigest()
+        return ("array", array.shape, array.dtype.str, digest)
+    return key(mask)
 
 
 def _as_mask(value) -> Mask:

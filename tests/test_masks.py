@@ -152,7 +152,7 @@ def test_a_positional_mask_cudnn_cannot_run_as_a_score_mod_runs_as_its_boolean_f
     monkeypatch.setattr(jax_sdpa.limits.device, "device_reason", lambda: None)
     monkeypatch.setattr(jax_sdpa.limits.dense, "MAX_SCORE_MOD_INSTRUCTIONS", 2)
     monkeypatch.setattr(pieces_plan, "MAX_PIECES", 1)  # past the pieces' bound too
-    monkeypatch.setattr(pieces_plan, "plan", pieces_plan.plan.__wrapped__)  # (uncached)
+    monkeypatch.setattr(pieces_plan, "plan", pieces_plan.planned)  # (uncached)
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match="boolean .* as a score_mod .*pointwise nodes"):
         text = jax.jit(lambda q: jax_sdpa.dot_product_attention(

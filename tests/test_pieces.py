@@ -5,7 +5,9 @@ rows that keep no key, under vmap and the sharding rules. On a GPU our dense tar
 pieces; without one, tests/ragged_emulator.py stands in for its calls (its backward computes
 from the output and lse it is given, as cuDNN's does)."""
 
+import gc
 import random
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -229,14 +231,29 @@ def test_pieces_under_batch_and_head_sharding(cudnn):
         assert relative_error(a, b) < 5e-3
 
 
-def test_pieces_by_head_under_head_sharding(cudnn):
-    """Windows per head cut the heads: heads sharded over the mesh are gathered for the call
-    (the pieces name global heads), and the result is the single device's."""
+def _heads_kept_by_shard(heads, shards):
+    """bool [N, 23, 23]: per-head keys, every head of the last shard keeping none."""
+    keep = np.tril(np.ones((23, 23), bool))[None] & (
+        np.arange(23)[None, None, :] >= np.arange(23)[None, :, None] -
+        (2 + np.arange(heads) % 3)[:, None, None])
+    keep[heads - heads // shards:] = False
+    return keep
+
+
+@pytest.mark.parametrize("mask_of", [
+    lambda heads, n: masks.causal() & masks.sliding_window(
+        tuple(2 + (h // 2) % 3 for h in range(heads))),
+    lambda heads, n: masks.from_boolean(_heads_kept_by_shard(heads, n))],
+    ids=["windows per head", "a shard's heads keep none"])
+def test_pieces_by_head_under_head_sharding(cudnn, mask_of):
+    """Pieces that cut the heads under head sharding: each device runs its own heads' pieces
+    (no gather of the heads: the compiled program has no all-gather), heads that keep no key
+    run no kernel, and the result is the single device's and the reference's."""
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     heads = 2 * n
     q, k, v, d_out = random_qkv(10, 1, 23, 23, heads, heads, 64, jnp.bfloat16)
-    mask = masks.causal() & masks.sliding_window(tuple(2 + (h // 2) % 3 for h in range(heads)))
+    mask = mask_of(heads, n)
     assert "the mask cut into" in jax_sdpa.explain(q, k, v, mask=mask, implementation="cudnn")
 
     def step(q, k, v, d_out):
@@ -244,7 +261,9 @@ def test_pieces_by_head_under_head_sharding(cudnn):
             q, k, v, mask=mask, implementation="cudnn"), q, k, v)
         return (out, *vjp(d_out))
     spec = NamedSharding(mesh, P(None, None, "model"))
-    sharded = jax.jit(step, in_shardings=(spec,) * 4)(q, k, v, d_out)
+    sharded_step = jax.jit(step, in_shardings=(spec,) * 4, out_shardings=(spec,) * 4)
+    assert "all-gather" not in sharded_step.lower(q, k, v, d_out).compile().as_text()
+    sharded = sharded_step(q, k, v, d_out)
     single = jax.jit(step)(q, k, v, d_out)
     ref = reference_gradients(lambda q, k, v: jax_sdpa.dot_product_attention(
         q, k, v, mask=mask.to_boolean(23, 23), implementation="xla"), q, k, v, d_out)
@@ -262,3 +281,63 @@ def test_one_piece_from_the_bottom_right_corner_backward(cudnn):
     out, vjp = jax.vjp(jax.jit(ours), q, k, v)
     for a, b in zip((out, *vjp(d_out)), reference_gradients(reference, q, k, v, d_out)):
         assert relative_error(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_run_of_heads_keeps_their_pieces_scores(seed):
+    """pieces_plan.on_heads: the pieces of a run of heads, numbered from its first, cover
+    exactly those heads' scores of the whole plan."""
+    draw = random.Random(seed)
+    heads, shards = 8, draw.choice([2, 4, 8])
+    mask = random_masks.positional(draw, heads, 3, 40)
+    plan = pieces_plan.plan(mask, 40, 40, heads, heads)
+    if isinstance(plan, str):
+        return
+    whole = _covered(plan.forward, 40, 40, heads)
+    local = heads // shards
+    for shard in range(shards):
+        pieces = pieces_plan.on_heads(plan.forward, shard * local, (shard + 1) * local, heads)
+        np.testing.assert_array_equal(_covered(pieces, 40, 40, local),
+                                      whole[shard * local:(shard + 1) * local])
+
+
+def test_plans_are_cached_by_the_descriptions_values():
+    """The same values in another description find the same plan; a table changed in place
+    after the first plan plans anew; the cache keeps no description's array and stays at its
+    bound."""
+    table = np.eye(5, dtype=bool)
+    first = pieces_plan.plan(masks.block_table(table, 8, 8), 40, 40, 2, 2)
+    assert pieces_plan.plan(masks.block_table(table.copy(), 8, 8), 40, 40, 2, 2) is first
+    table[0, 4] = True  # in place: the same array object, other values
+    changed = pieces_plan.plan(masks.block_table(table, 8, 8), 40, 40, 2, 2)
+    assert changed != first
+    assert _covered(changed.forward, 40, 40, 2)[:, :8, 32:].all()
+
+    array = np.tril(np.ones((40, 40), bool))
+    array[:, :3] = True
+    watched = weakref.ref(array)
+    pieces_plan.plan(masks.from_boolean(array), 40, 40, 2, 2)
+    del array
+    gc.collect()
+    assert watched() is None  # the plan's cache holds a digest, not the array
+    for width in range(pieces_plan.PLAN_CACHE_SIZE + 8):
+        pieces_plan.plan(masks.sliding_window(width, 1), 40, 40, 2, 2)
+    assert len(pieces_plan._plans) == pieces_plan.PLAN_CACHE_SIZE
+
+
+def test_a_table_changed_in_place_gives_the_new_masks_results(cudnn):
+    """dot_product_attention after the table a description holds changed in place computes
+    the new mask (a stale plan would keep the old pieces)."""
+    table = np.eye(3, dtype=bool)
+    mask = masks.block_table(table, 8, 8)
+    q, k, v, _ = random_qkv(3, 1, 24, 24, 2, 2, 64, jnp.bfloat16)
+
+    def check():
+        ours = jax_sdpa.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        want = jax_sdpa.dot_product_attention(
+            *(x.astype(jnp.float32) for x in (q, k, v)), mask=mask.to_boolean(24, 24),
+            implementation="xla")
+        assert relative_error(ours, want) < 1e-2
+    check()
+    table[2, 0] = True
+    check()

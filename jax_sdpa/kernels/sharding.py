@@ -14,6 +14,7 @@ custom_partitioning has no batching rule) -> custom_partitioning (the rule) -> t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sdpa.kernels import dispatch as kernels
 from jax_sdpa.call.spec import CallSpec
+from jax_sdpa.pieces import plan as pieces_plan
 
 # Arrays with no batch axis (everything else has it first).
 _UNBATCHED = ("dropout_seed", "sinks")
@@ -46,8 +48,34 @@ def _factors(config: CallSpec, groups: int):
 
 def _pieces_by_head(config) -> bool:
     """Whether the call's pieces (kernels/pieces.py) cut the heads: they name global heads, so
-    the heads stay whole on each device."""
+    each device of a head-sharded call runs its own heads' pieces (_on_shard)."""
     return any(piece.head_stop for piece in config.pieces + config.backward_pieces)
+
+
+def _on_shard(config, shard, shards, q_heads):
+    """The config of the `shard`-th of `shards` equal runs of the query heads: its heads'
+    pieces, numbered from its first head; None where they keep no key (every row of them then
+    sees none: no kernel runs)."""
+    local = q_heads // shards
+    start = shard * local
+    forward, backward = (pieces_plan.on_heads(p, start, start + local, q_heads)
+                         for p in (config.pieces, config.backward_pieces))
+    if not forward and not backward:
+        return None
+    return dataclasses.replace(config, pieces=forward, backward_pieces=backward)
+
+
+def _nothing_kept(inputs, outputs, *arrays):
+    """What the kernels give heads that keep no key: output 0 and lse -inf (as pieces leave
+    rows no piece covers, for the caller's repair), zero gradients."""
+    named = dict(zip(inputs, arrays))
+    query, key, value = named["query"], named["key"], named["value"]
+    shapes = {"output": (query.shape[:-1] + value.shape[-1:], query.dtype),
+              "dq": (query.shape, query.dtype), "dk": (key.shape, key.dtype),
+              "dv": (value.shape, value.dtype),
+              "lse": ((query.shape[0], query.shape[2], query.shape[1]), jnp.float32)}
+    return tuple(jnp.full(shapes[name][0], -jnp.inf if name == "lse" else 0, shapes[name][1])
+                 for name in outputs)
 
 
 def _rule(config, groups, inputs, outputs):
@@ -57,7 +85,7 @@ def _rule(config, groups, inputs, outputs):
     used = list(dict.fromkeys(
         rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()))
     whole = ("t", "s", "h", "hv", "seed", "bias_b", "bias_n", "fp8_factor", "fp8_row", "amax",
-             "amax_row", "score_mod_table") + (("k", "g") if _pieces_by_head(config) else ())
+             "amax_row", "score_mod_table")
     # In order of first appearance: Shardy wants special factors sorted by index.
     replicated = tuple(f for f in used if f in whole)
     sizes = {"g": groups} if groups > 1 else {}
@@ -116,14 +144,26 @@ def _per_shard_seed(arrays, names, sharded_axes):
     return (*arrays[:i], arrays[i].at[2].add(index), *arrays[i + 1:])
 
 
-def _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias):
-    """custom_partitioning of kernel_fn(*arrays named `inputs`) -> arrays named `outputs`."""
+def _partitioned(kernel_of, config, groups, inputs, outputs, reduce_dbias):
+    """custom_partitioning of kernel_of(config)(*arrays named `inputs`) -> arrays named
+    `outputs`."""
+    kernel_fn = kernel_of(config)
     partitioned = custom_partitioning(kernel_fn)
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = _shard_axes(mesh, arg_shapes)
-        if _pieces_by_head(config):
-            head_axes = None
+        shards = _axes_size(mesh, head_axes)
+        if _pieces_by_head(config) and shards > 1:
+            # Each device runs its own heads' pieces: one branch per run of heads.
+            configs = [_on_shard(config, i, shards, arg_shapes[0].shape[2])
+                       for i in range(shards)]
+            branches = [functools.partial(_nothing_kept, inputs, outputs) if c is None
+                        else kernel_of(c) for c in configs]
+            run = lambda *arrays: jax.lax.switch(  # noqa: E731
+                jax.lax.axis_index(head_axes), [lambda xs, f=f: tuple(f(*xs)) for f in branches],
+                arrays)
+        else:
+            run = kernel_fn
         specs = _specs(config, batch_axes, head_axes)
         sharded_axes = _as_tuple(batch_axes) + _as_tuple(head_axes)
         # A bias shared by the shards of an axis gets its gradient summed over that axis.
@@ -135,7 +175,7 @@ def _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias):
                 reduce_over += _as_tuple(head_axes)
 
         def lower_fn(*arrays):
-            results = kernel_fn(*_per_shard_seed(arrays, inputs, sharded_axes))
+            results = run(*_per_shard_seed(arrays, inputs, sharded_axes))
             if reduce_over:
                 i = outputs.index("dbias")
                 results = (*results[:i], jax.lax.psum(results[i], reduce_over), *results[i + 1:])
@@ -191,16 +231,19 @@ def partitioned(kernel_fn, config, groups, inputs, outputs):
     """kernel_fn(*arrays named `inputs`) -> arrays named `outputs` (_factors' names), with the
     kernels' sharding rule and batching: for entry points with kernels of their own
     (jax_sdpa.fp8)."""
-    return _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias=False)
+    return _partitioned(lambda _: kernel_fn, config, groups, inputs, outputs,
+                        reduce_dbias=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_call(config, groups):
     inputs = list(config.input_names())
 
-    def kernel_fn(*arrays):
-        return tuple(kernels.forward(config, dict(zip(inputs, arrays))))
-    return _partitioned(kernel_fn, config, groups, inputs, ["output", "lse"],
+    def kernel_of(config):
+        def kernel_fn(*arrays):
+            return tuple(kernels.forward(config, dict(zip(inputs, arrays))))
+        return kernel_fn
+    return _partitioned(kernel_of, config, groups, inputs, ["output", "lse"],
                         reduce_dbias=False)
 
 
@@ -210,12 +253,14 @@ def _backward_call(config, groups):
     with_dbias = config.has_bias and config.bias_grad
     outputs = ["dq", "dk", "dv"] + (["dbias"] if with_dbias else [])
 
-    def kernel_fn(*arrays):
-        named = dict(zip(inputs, arrays))
-        output, lse, d_output = (named.pop(n) for n in ("output", "lse", "d_output"))
-        dq, dk, dv, dbias = kernels.backward(config, named, output, lse, d_output)
-        return (dq, dk, dv) + ((dbias,) if with_dbias else ())
-    return _partitioned(kernel_fn, config, groups, inputs, outputs, reduce_dbias=True)
+    def kernel_of(config):
+        def kernel_fn(*arrays):
+            named = dict(zip(inputs, arrays))
+            output, lse, d_output = (named.pop(n) for n in ("output", "lse", "d_output"))
+            dq, dk, dv, dbias = kernels.backward(config, named, output, lse, d_output)
+            return (dq, dk, dv) + ((dbias,) if with_dbias else ())
+        return kernel_fn
+    return _partitioned(kernel_of, config, groups, inputs, outputs, reduce_dbias=True)
 
 
 def _groups(inputs):

@@ -19,11 +19,14 @@ takes the one that costs least, a piece's cost being its work and the slices its
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
+from jax_sdpa import masks
 from jax_sdpa.call.spec import Piece
 from jax_sdpa.pieces import intervals
 
@@ -153,10 +156,33 @@ def cost(piece: Piece, backward: bool, q_seq_len, kv_seq_len, q_heads, kv_heads)
                                                    kv_heads)
 
 
-@functools.lru_cache(maxsize=64)
+PLAN_CACHE_SIZE = 64  # plans kept, the most recently used
+_plans: collections.OrderedDict = collections.OrderedDict()
+_plans_lock = threading.Lock()
+
+
 def plan(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> Plan | str:
-    """The description's pieces at these sizes (static, cached per description and shape), or
-    why it does not run as pieces."""
+    """planned(...), cached by the description's values (masks.value_key: the same values in
+    another description find its plan, an array changed in place plans anew) and the sizes;
+    the cache holds keys and plans, never a description's arrays."""
+    value = masks.value_key(mask)
+    if value is None:
+        return planned(mask, q_seq_len, kv_seq_len, q_heads, kv_heads)
+    key = (value, q_seq_len, kv_seq_len, q_heads, kv_heads)
+    with _plans_lock:
+        if key in _plans:
+            _plans.move_to_end(key)
+            return _plans[key]
+    found = planned(mask, q_seq_len, kv_seq_len, q_heads, kv_heads)
+    with _plans_lock:
+        _plans[key] = found
+        while len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    return found
+
+
+def planned(mask, q_seq_len: int, kv_seq_len: int, q_heads: int, kv_heads: int) -> Plan | str:
+    """The description's pieces at these sizes, or why it does not run as pieces."""
     kept_keys = intervals.of_mask(mask, q_seq_len, kv_seq_len)
     if kept_keys is None:
         return ("its keys depend on arrays known only when the call runs (documents, or a "
@@ -310,6 +336,19 @@ def _piece(first, stop, lo, hi, slope_lo, slope_hi, head_start, head_stop,
     if slope_lo:
         band["window_left"] = hi - lo if width is None else width
     return Piece(first, stop, lo, last_hi + 1, **band, **heads)
+
+
+def on_heads(pieces, start: int, stop: int, q_heads: int) -> tuple:
+    """The pieces of query heads [start, stop) of q_heads, numbered from `start` (one device's
+    heads under head sharding): each piece that holds any of them, cut to them."""
+    found = []
+    for piece in pieces:
+        first, last = max(piece.head_start, start), min(piece.head_stop or q_heads, stop)
+        if first >= last:
+            continue
+        heads = (0, 0) if (first, last) == (start, stop) else (first - start, last - start)
+        found.append(piece._replace(head_start=heads[0], head_stop=heads[1]))
+    return tuple(found)
 
 
 def uncovered_rows(pieces, q_seq_len: int, q_heads: int) -> np.ndarray:
